@@ -158,6 +158,7 @@ from disagmoe.kernels.gluon_ragged import (  # noqa: F401 (CONSUMER_REGS, OUT_DT
     tma_rows,
     tma_store_takes,
     wgrad_item,
+    wgrad_tiles,
     wgrad_tma_epilogue_takes,
     work_list,
 )
@@ -421,9 +422,7 @@ def _wgrad_producer(a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_desc, sa2_desc
                     PAIRED: gl.constexpr):
     """The TMA warp of the weight gradient: per item, the chunks of its expert's groups
     (`_wgrad_load_chunks`), then with PAIRED those of the second row set (one group an expert)."""
-    tiles_k = gl.cdiv(KA, BLOCK_M)
-    tiles_n = gl.cdiv(C, BLOCK_N)
-    per_expert = tiles_k * tiles_n
+    tiles_k, tiles_n, per_expert = wgrad_tiles(KA, C, BLOCK_M, BLOCK_N)
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
@@ -477,9 +476,7 @@ def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, ou
     (`gluon_ragged.store_weight_grad`: by TMA through c_bufs[CONSUMER] with TMA_EPILOGUE, else from registers)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    tiles_k = gl.cdiv(KA, BLOCK_M)
-    tiles_n = gl.cdiv(C, BLOCK_N)
-    per_expert = tiles_k * tiles_n
+    tiles_k, tiles_n, per_expert = wgrad_tiles(KA, C, BLOCK_M, BLOCK_N)
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)

@@ -173,6 +173,14 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def wgrad_tiles(KA, C, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(KA tiles, C tiles, items an expert) of a weight gradient's work list: [KA, C] in BLOCK_M x BLOCK_N tiles."""
+    tiles_k = gl.cdiv(KA, BLOCK_M)
+    tiles_n = gl.cdiv(C, BLOCK_N)
+    return tiles_k, tiles_n, tiles_k * tiles_n
+
+
+@gluon.jit
 def wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M: gl.constexpr):
     """(expert, KA tile, C tile) of weight-gradient work item `item`: experts in turn, GROUP_M KA
     tiles sharing C tiles (`grouped_gemm._swizzle`, as the Triton weight gradients order them)."""

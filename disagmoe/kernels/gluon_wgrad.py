@@ -61,6 +61,7 @@ from disagmoe.kernels.gluon_ragged import (
     store_weight_grad,
     tma_rows,
     wgrad_item,
+    wgrad_tiles,
     wgrad_tma_epilogue_takes,
 )
 from disagmoe.kernels.gluon_rows import OPERAND_DTYPES, runs_here
@@ -116,9 +117,7 @@ def _producer(a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready_bars, empt
               E_W, KA, C, num_programs, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               PAIRED: gl.constexpr):
     """The TMA warp: per item, the chunks of its expert's groups, then with PAIRED the second set's group."""
-    tiles_k = gl.cdiv(KA, 2 * _ROWS)
-    tiles_n = gl.cdiv(C, BLOCK_N)
-    per_expert = tiles_k * tiles_n
+    tiles_k, tiles_n, per_expert = wgrad_tiles(KA, C, 2 * _ROWS, BLOCK_N)
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
@@ -179,9 +178,7 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs,
     `store_weight_grad` (zeros for an expert without rows)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    tiles_k = gl.cdiv(KA, 2 * _ROWS)
-    tiles_n = gl.cdiv(C, BLOCK_N)
-    per_expert = tiles_k * tiles_n
+    tiles_k, tiles_n, per_expert = wgrad_tiles(KA, C, 2 * _ROWS, BLOCK_N)
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
