@@ -15,6 +15,8 @@ tile = FFNTiles.for_shape(pairs, E, H, F, dev, torch.bfloat16).down
 print("triton tile", tile)
 for config in (dataclasses.replace(tile, gluon=False, library=False),
                dataclasses.replace(tile, gluon=True, library=False, gluon_block_m=128, gluon_block_n=256, gluon_stages=3),
+               dataclasses.replace(tile, gluon=True, library=False, gluon_block_m=128, gluon_block_n=256, gluon_stages=3,
+                                   gluon_tma_store=True),
                dataclasses.replace(tile, gluon=True, library=False, gluon_block_m=128, gluon_block_n=128, gluon_stages=4)):
     for _ in range(2):
         gg.ragged_rows_gemm(act, offsets, w2, config)
