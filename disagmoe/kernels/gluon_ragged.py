@@ -115,7 +115,7 @@ def ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, FENCE_IN
 def tma_rows(t: torch.Tensor) -> bool:
     """Whether a 2-D operand has unit column stride and 16-byte-aligned rows (a TMA view's rules): a row
     GEMM's A, a token-group copy as `fp8.quantize_token_groups` writes it."""
-    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def tma_store_takes(out: torch.Tensor) -> bool:

@@ -18,13 +18,13 @@ FP8 weight gradient without the scales, over bf16 rows as they come (not padded 
   either major) into the fp32 sum, one left in flight, and release the previous chunk's stage once it has
   completed. A group's last chunk, partial, holds the next group's rows (or, past the last group, whatever
   the tensors hold there: rows a capacity buffer never wrote): before its wgmma each consumer zeroes the rows
-  past the group's end in its A box and in the shared B box (both consumers write the same zeros and the same
-  values back: no other writer touches a stage between its `ready` and its release), fenced for the async
-  proxy, so that neither a finite neighbour's rows nor a NaN left in memory reach the sum (the Triton kernel
-  masks the same rows in its loads).
+  past the group's end in its own A box, the first consumer in the shared B box too (the second waits for that
+  on the stage's `zeroed` mbarrier, which the first arrives on at every chunk), each fenced for the async proxy,
+  so that neither a finite neighbour's rows nor a NaN left in memory reach the sum (the Triton kernel masks the
+  same rows in its loads). Only the [16, 64] pieces holding such rows are rewritten.
 - epilogue: `gluon_ragged.store_weight_grad`, the FP8 kernel's: stored or added from registers (relaxed fp32
-  reductions, `atomic`), or through a [64, block_n] shared-memory buffer per consumer by a TMA store or
-  reduce-add (`tma_epilogue`) drained under the next item's chunks.
+  reductions, `atomic`; else loaded, added and stored), or through a [64, block_n] shared-memory buffer per
+  consumer by a TMA store or (with `atomic`) reduce-add (`tma_epilogue`) drained under the next item's chunks.
 
 Requirements (ValueError naming the fix otherwise; `takes` answers without raising, and
 `grouped_gemm.ragged_weight_grad` then runs our Triton kernel): a and b bf16 or fp16 of one dtype with unit
@@ -130,36 +130,48 @@ def _producer(a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready_bars, empt
 
 @gluon.jit
 def _zero_rows_past(buf, valid):
-    """Rows `valid` and on of a [64, W] shared-memory box set to zero (the rest written back as read), in
-    64-column pieces (a 128-byte swizzle row each)."""
+    """Rows `valid` and on of a [64, W] shared-memory box set to zero, in [16, 64] pieces (16 rows of a 128-byte
+    swizzle row each) of which only those holding such rows are read, cleared past `valid` and written back."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows = gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, layout))
-    keep = (rows < valid)[:, None]
-    for c in gl.static_range(buf.shape[1] // _CHUNK):
-        piece = buf.slice(c * _CHUNK, _CHUNK, dim=1)
-        values = piece.load(layout)
-        piece.store(gl.where(keep, values, gl.zeros_like(values)))
+    PIECE_ROWS: gl.constexpr = 16
+    rows = gl.arange(0, PIECE_ROWS, layout=gl.SliceLayout(1, layout))
+    for r in gl.static_range(buf.shape[0] // PIECE_ROWS):
+        if (r + 1) * PIECE_ROWS > valid:
+            keep = (r * PIECE_ROWS + rows < valid)[:, None]
+            for c in gl.static_range(buf.shape[1] // _CHUNK):
+                piece = buf.slice(r * PIECE_ROWS, PIECE_ROWS, dim=0).slice(c * _CHUNK, _CHUNK, dim=1)
+                values = piece.load(layout)
+                piece.store(gl.where(keep, values, gl.zeros_like(values)))
 
 
 @gluon.jit
-def _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, first, E, E_W, acc_MN, count, item_first,
-                CONSUMER: gl.constexpr, STAGES: gl.constexpr):
+def _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, offsets_ptr, first, E, E_W, acc_MN, count,
+                item_first, CONSUMER: gl.constexpr, STAGES: gl.constexpr):
     """One consumer's sums over one row set's chunks of an item (the producer's `_load_groups` order): per chunk
-    the wgmma into acc (the rows past a partial chunk's group zeroed first), then the previous chunk's stage
-    released once that wgmma has completed (none before the item's first chunk, `item_first`). Returns (acc,
-    the stages used so far)."""
+    the wgmma into acc, then the previous chunk's stage released once that wgmma has completed (none before the
+    item's first chunk, `item_first`). A group's last chunk, partial: each consumer first zeroes the rows past the
+    group's end in its own A box; the first consumer (0) in the shared B box too, fenced for the async proxy, and
+    it arrives on the stage's `zeroed` barrier at every chunk (so its phase is the stage's use count); the second
+    waits there before its wgmma reads B. Returns (acc, the stages used so far)."""
     for group in range(first, E, E_W):
         start = gl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
         end = gl.load(offsets_ptr + group)
         for r0 in range(start, end, _CHUNK):
             stage = count % STAGES
-            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+            phase = (count // STAGES) & 1
+            mbarrier.wait(ready_bars.index(stage), phase)
             a_buf = a_bufs.index(2 * stage + CONSUMER)
             b_buf = b_bufs.index(stage)
-            if end - r0 < _CHUNK:  # the group's last chunk, partial: the rows past its end must not count
+            partial = end - r0 < _CHUNK  # the rows past the group's end (the next group's) must not count
+            if partial:
                 _zero_rows_past(a_buf, end - r0)
-                _zero_rows_past(b_buf, end - r0)
-                fence_async_shared()  # the threads' stores before the wgmma's (async proxy) reads
+                if CONSUMER == 0:
+                    _zero_rows_past(b_buf, end - r0)
+                fence_async_shared()  # the threads' stores before the wgmmas' (async proxy) reads
+            if CONSUMER == 0:
+                mbarrier.arrive(zeroed_bars.index(stage))
+            elif partial:
+                mbarrier.wait(zeroed_bars.index(stage), phase)  # B's rows past the end zeroed by consumer 0
             acc_MN = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc_MN, is_async=True)
             acc_MN = warpgroup_mma_wait(1, deps=(acc_MN, ))  # the previous chunk's wgmma has completed
             if count > item_first:
@@ -169,10 +181,10 @@ def _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, first, E, E
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs, offsets_ptr, offsets2_ptr, E, E_W,
-              KA, C, num_programs, stride_oe, stride_ok, stride_oc, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr,
-              TMA_EPILOGUE: gl.constexpr, PAIRED: gl.constexpr):
+def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, out_ptr, out_desc, c_bufs, offsets_ptr,
+              offsets2_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, CONSUMER: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
+              ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr, PAIRED: gl.constexpr):
     """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: the sums over its chunks (`_sum_groups`;
     with PAIRED the second set's after the first's, into the same sum), the last chunk's stage released, then
     `store_weight_grad` (zeros for an expert without rows)."""
@@ -184,11 +196,11 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs,
         expert, pid_k, pid_n = wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
         item_first = count
         acc_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
-        acc_MN, count = _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, expert, E, E_W, acc_MN,
-                                    count, item_first, CONSUMER, STAGES)
+        acc_MN, count = _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, offsets_ptr, expert, E,
+                                    E_W, acc_MN, count, item_first, CONSUMER, STAGES)
         if PAIRED:
-            acc_MN, count = _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, offsets2_ptr, expert, E_W, E_W,
-                                        acc_MN, count, item_first, CONSUMER, STAGES)
+            acc_MN, count = _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, offsets2_ptr, expert,
+                                        E_W, E_W, acc_MN, count, item_first, CONSUMER, STAGES)
         acc_MN = warpgroup_mma_wait(0, deps=(acc_MN, ))
         if count > item_first:
             mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
@@ -206,36 +218,52 @@ def _gluon_weight_grad_kernel(a_desc, b_desc, a2_desc, b2_desc, out_desc, out_pt
                               ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr, PAIRED: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     # Contract: `gluon_weight_grad`'s, checked there. The ring: 2 x STAGES A boxes (stage s's at 2s and 2s + 1,
-    # one per consumer) and STAGES B boxes, each stage's `empty` barrier counting both consumers. TMA_EPILOGUE:
+    # one per consumer) and STAGES B boxes, each stage's `empty` barrier counting both consumers and its `zeroed`
+    # barrier the first consumer's arrival (`_sum_groups`). TMA_EPILOGUE:
     # out_desc ([64, BLOCK_N] boxes of out seen as [E_W x KA, C]) and a buffer per consumer; else None. PAIRED:
     # the second row set's descriptors and offsets (one group an expert), else None.
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    zeroed_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=2)
+        mbarrier.init(zeroed_bars.index(s), count=1)
     fence_async_shared()  # the initialisations before any TMA completes on them (`fp8_gluon.FENCE_BARRIER_INIT`)
     if TMA_EPILOGUE:
         c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     else:
         c_bufs: gl.constexpr = None
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs, offsets_ptr, offsets2_ptr, E,
-                     E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(0), BLOCK_N, GROUP_M,
-                     STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE, PAIRED)),
-        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs, offsets_ptr, offsets2_ptr, E,
-                     E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(1), BLOCK_N, GROUP_M,
-                     STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE, PAIRED)),
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, out_ptr, out_desc, c_bufs, offsets_ptr,
+                     offsets2_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(0),
+                     BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE, PAIRED)),
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, out_ptr, out_desc, c_bufs, offsets_ptr,
+                     offsets2_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(1),
+                     BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE, PAIRED)),
         (_producer, (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr,
                      offsets2_ptr, E, E_W, KA, C, num_programs, BLOCK_N, GROUP_M, STAGES, PAIRED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def _by_tma(tma_epilogue: bool, accumulate: bool, atomic: bool, ka: int, cols: int, out: torch.Tensor | None) -> bool:
+    """Whether the TMA epilogue writes `out` (None: the fp32 out the launch makes): asked, and out takes a
+    descriptor (`wgrad_tma_epilogue_takes`); an add into a main gradient only where `atomic` allows a reduction
+    (TMA's reduce-add, like the fp32 atomics, flushes denormals; without `atomic` the register epilogue loads,
+    adds and stores: the Triton kernel's exact sum)."""
+    if not tma_epilogue or (accumulate and not atomic):
+        return False
+    if out is None:
+        return ka % CONSUMER_ROWS == 0 and (cols * 4) % 16 == 0
+    return wgrad_tma_epilogue_takes(out)
+
+
 def _problems(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor, block_n: int, stages: int,
               out: torch.Tensor | None, accumulate: bool, tma_epilogue: bool, weights: int | None,
-              second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> list[str]:
+              second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, atomic: bool = True,
+              group_m: int = GROUP_M) -> list[str]:
     """What keeps this launch from the kernel, each with its fix (empty: it takes it)."""
     problems = []
     row_sets = [("a", a_NK), ("b", b_NC)] + ([] if second is None else [("a2", second[0]), ("b2", second[1])])
@@ -271,8 +299,10 @@ def _problems(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor, b
                             or (accumulate and out.dtype != torch.float32)):
         problems.append(f"out must be [E_W, KA, C] = {shape}, fp32 (a main gradient, accumulate) or bf16/fp16 (a "
                         f"fresh gradient); got {out.dtype} {tuple(out.shape)}")
+    if group_m < 1:
+        problems.append(f"group_m (KA tiles sharing C tiles in the item order) must be at least 1; got {group_m}")
     if block_n in BLOCK_NS:
-        by_tma = tma_epilogue and (out is None or wgrad_tma_epilogue_takes(out))
+        by_tma = _by_tma(tma_epilogue, accumulate, atomic, a_NK.shape[1], b_NC.shape[1], out)
         deepest = max_stages(block_n, by_tma, 4 if out is None else out.element_size())
         if not 2 <= stages <= deepest:
             problems.append(f"stages={stages}: the ring needs at least 2 and at most {deepest} at block_n {block_n}"
@@ -283,11 +313,12 @@ def _problems(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor, b
 
 def takes(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor, *, block_n: int = 128, stages: int = 4,
           out: torch.Tensor | None = None, accumulate: bool = False, tma_epilogue: bool = False,
-          weights: int | None = None, second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+          weights: int | None = None, second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+          atomic: bool = True, group_m: int = GROUP_M) -> bool:
     """Whether `gluon_weight_grad` can run this launch here: a Hopper GPU (not the interpreter) and
     `_problems`' rules, answered without raising."""
     return runs_here(a_NK) and not _problems(a_NK, b_NC, offsets_E, block_n, stages, out, accumulate, tma_epilogue,
-                                             weights, second)
+                                             weights, second, atomic, group_m)
 
 
 def _rows_descriptors(a_NK: torch.Tensor, b_NC: torch.Tensor, block_n: int) -> tuple[TensorDescriptor, ...]:
@@ -320,12 +351,14 @@ def gluon_weight_grad(
     g = e mod E_W of a[rows_g]^T @ b[rows_g], [E_W, KA, C] (zeros for an expert without rows), fp32, or the
     dtype of a given `out`; `accumulate`: added into `out` (an fp32 main gradient; `atomic`: by fp32
     reductions, the same sum bit for bit but for denormals, which the GPU's reductions flush to zero).
-    `tma_epilogue`: each consumer's sums written through shared memory and stored or reduce-added by TMA where
-    `out` takes a descriptor (`gluon_ragged.wgrad_tma_epilogue_takes`), else the register epilogue, as without it. `second` = (a2_NK, b2_NC, offsets2_E): a second row
+    `tma_epilogue`: each consumer's sums written through shared memory and stored, or (accumulate with `atomic`:
+    a reduction too) reduce-added, by TMA where `out` takes a descriptor (`gluon_ragged.wgrad_tma_epilogue_takes`);
+    else the register epilogue, as without it. `second` = (a2_NK, b2_NC, offsets2_E): a second row
     set over the same experts (one group each, not banded), e.g. the next micro-batch's rows
     (`kernels.wgrad_pairs`): summed after the first's into the same fp32 sum, one write of out for both.
     `num_programs`: persistent programs (default one per SM; give it on a CPU, where it can only be compiled)."""
-    problems = _problems(a_NK, b_NC, offsets_E, block_n, stages, out, accumulate, tma_epilogue, weights, second)
+    problems = _problems(a_NK, b_NC, offsets_E, block_n, stages, out, accumulate, tma_epilogue, weights, second,
+                         atomic, group_m)
     if problems:
         raise ValueError("gluon_weight_grad cannot take this launch: " + "; ".join(problems))
     groups = offsets_E.shape[0]
@@ -348,7 +381,7 @@ def gluon_weight_grad(
     if second is not None:
         a2, b2, offsets2_E = second
         second_descriptors = _rows_descriptors(a2, b2, block_n) if a2.shape[0] else descriptors
-    by_tma = tma_epilogue and wgrad_tma_epilogue_takes(out)
+    by_tma = _by_tma(tma_epilogue, accumulate, atomic, ka, cols, out)
     out_desc = None
     if by_tma:
         out_box = [CONSUMER_ROWS, block_n]

@@ -785,7 +785,7 @@ def gluon_wgrad_takes(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.T
 
     return gluon_wgrad.takes(a_NK, b_NC, offsets_E, block_n=config.gluon_block_n, stages=config.gluon_stages,
                              out=out, accumulate=accumulate, tma_epilogue=config.gluon_tma_store, weights=experts,
-                             second=second)
+                             second=second, atomic=config.atomic_accumulate, group_m=config.group_m)
 
 
 def tma_takes(t_NK: torch.Tensor) -> bool:

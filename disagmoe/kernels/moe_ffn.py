@@ -57,15 +57,17 @@ class FFNTiles:
         """These tiles with every launch our Gluon kernels can run sent there (`TileConfig.gluon` at its default
         tile, 128 x 128 with 4 ring stages; `tma_store`: results stored, and main gradients reduce-added, by TMA):
         gate/up, down, the gate/up data gradient, down dgrad's plain GEMM under a split epilogue, and both weight
-        gradients (`kernels.gluon_wgrad`, atomic where not by TMA); never the library's. Launches they cannot take
-        (`grouped_gemm.gluon_takes`, `gluon_wgrad_takes`) keep these tiles' Triton fields."""
+        gradients (`kernels.gluon_wgrad`, with `atomic_accumulate`, which its TMA reduce-add needs: a weight gradient
+        falling back to the Triton kernel adds by fp32 reductions too); never the library's. Launches they cannot
+        take (`grouped_gemm.gluon_takes`, `gluon_wgrad_takes`) keep these tiles' other Triton fields."""
         gluon = dict(gluon=True, library=False, gluon_tma_store=tma_store)
         wgrad = dict(gluon, gluon_block_n=128, gluon_stages=4, atomic_accumulate=True)
         return dataclasses.replace(
             self, gate_up=dataclasses.replace(self.gate_up, **gluon), down=dataclasses.replace(self.down, **gluon),
             gate_up_dgrad=dataclasses.replace(self.gate_up_dgrad, **gluon),
             down_dgrad=dataclasses.replace(self.down_dgrad, split_epilogue=True, **gluon),
-            wgrad_w2=dataclasses.replace(self.wgrad_w2, **wgrad), wgrad_w13=dataclasses.replace(self.wgrad_w13, **wgrad))
+            wgrad_w2=dataclasses.replace(self.wgrad_w2, **wgrad),
+            wgrad_w13=dataclasses.replace(self.wgrad_w13, **wgrad))
 
     @staticmethod
     def gemm_dims(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:

@@ -35,7 +35,7 @@ def _operands(counts, k, n, layout, dtype=torch.bfloat16, device="cpu", seed=0):
 
 # (block_m, block_n, stages, tma_store): the tiles `tune_experts.GLUON_ROWS_CANDIDATES` offers
 COMPILED = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True),
-            (64, 128, 4, False), (64, 256, 4, True)]
+            (128, 256, 4, False), (64, 128, 4, False), (64, 256, 4, True)]
 
 
 @pytest.mark.slow
@@ -236,7 +236,7 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_
 # group's end), groups of several tiles with short last tiles
 GPU_COUNTS = {"mixed": [300, 0, 1000, 7], "short": [0, 1, 129, 0, 63, 65, 517, 0], "one-group": [2048, 0, 0, 0]}
 GPU_TILES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True),
-             (64, 128, 4, False), (64, 256, 4, True)]
+             (128, 256, 4, False), (64, 128, 4, False), (64, 256, 4, True)]
 
 
 @pytest.mark.gpu

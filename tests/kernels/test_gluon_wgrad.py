@@ -73,7 +73,10 @@ def test_each_offered_tile_compiles_warp_specialised_without_spills(hopper_build
     wgmmas = {line.split()[0] for line in ptx.splitlines() if "wgmma.mma_async" in line}
     assert wgmmas == {f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16"}
     assert all(line.rstrip().endswith("1, 1, 1, 1;") for line in ptx.splitlines() if "wgmma.mma_async" in line)
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    # the barriers' initialisation, each consumer's zeroing of a partial chunk and (TMA epilogue) each consumer's
+    # buffer of sums, fenced for the async proxy
+    assert ptx.count("fence.proxy.async.shared::cta") == 3 + 2 * tma_epilogue
     assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == (tma_epilogue and accumulate)
     assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) == (tma_epilogue and not accumulate)
     assert ("atom.global.gpu.relaxed.add" in ptx) == (atomic and accumulate and not tma_epilogue)
@@ -103,6 +106,21 @@ def test_the_paired_and_banded_forms_compile_without_spills(hopper_builds):
         assert spilled == 0 and registers <= gra.MAXNREG
 
 
+@pytest.mark.slow
+def test_an_add_without_atomic_keeps_the_register_epilogues_exact_sum(hopper_builds):
+    """Into a main gradient without `atomic` (the Triton kernel's load-add-store, exact to the denormals): no TMA
+    reduce-add and no fp32 reductions even where the TMA epilogue is asked (a TMA reduction flushes denormals as
+    the atomics do); the ring may then take the depth the epilogue's buffers would have used."""
+    a, b, offsets = _rows([200, 0, 64, 333], 512, 768)
+    deepest = gw.max_stages(128)
+    gw.gluon_weight_grad(a, b, offsets, out=torch.zeros(4, 512, 768), accumulate=True, atomic=False,
+                         tma_epilogue=True, stages=deepest, num_programs=132)
+    (kernel,) = hopper_builds
+    ptx = kernel.asm["ptx"]
+    assert "cp.reduce.async.bulk" not in ptx and "atom.global.gpu.relaxed.add" not in ptx
+    assert "ld.global" in ptx and "st.global" in ptx
+
+
 # (what is changed, the message naming the fix)
 REFUSED = [
     ("fp32 rows", "share a dtype"),
@@ -118,6 +136,7 @@ REFUSED = [
     ("too deep beside the TMA epilogue", "at most 5 at block_n 128 beside the TMA epilogue"),
     ("second banded", "not banded"),
     ("second of other widths", "widths"),
+    ("group_m 0", "group_m"),
 ]
 
 
@@ -152,6 +171,8 @@ def test_arguments_it_cannot_take_are_refused_naming_the_fix(change, match):
         kwargs.update(weights=2, second=_rows([4, 4], 128, 256))
     elif change == "second of other widths":
         kwargs["second"] = _rows([4, 4], 64, 256)
+    elif change == "group_m 0":
+        kwargs["group_m"] = 0
     with pytest.raises(ValueError, match=match):
         gw.gluon_weight_grad(a, b, offsets, num_programs=4, **kwargs)
 
@@ -251,6 +272,25 @@ def test_gpu_banded_groups_and_a_second_row_set(tma_epilogue):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("programs", [1, 2, 7])
+def test_gpu_a_two_stage_ring_over_many_short_groups(programs):
+    """The ring at its shallowest (2 stages) with few programs, over many groups of 1-70 rows (most chunks partial,
+    so the second consumer waits on the first's zeroing of B at most of them), into a main gradient: a stage
+    released early, or B read before its rows past the group's end are zeroed, shows against fp64 (NaN rows
+    past the last group, and each neighbour group's rows, would reach the sums)."""
+    counts = torch.randint(1, 71, (96,), generator=torch.Generator().manual_seed(programs)).tolist()
+    counts[5] = counts[40] = 0
+    a, b, offsets = _rows(counts, 256, 384, device="cuda", seed=programs, spare=11)
+    for tma_epilogue in (False, True):
+        main = torch.zeros(len(counts), 256, 384, device="cuda")
+        gw.gluon_weight_grad(a, b, offsets, out=main, accumulate=True, tma_epilogue=tma_epilogue, stages=2,
+                             num_programs=programs)
+        assert torch.isfinite(main).all()
+        assert _rel_err(main, _reference(a, b, offsets)) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_gpu_the_gluon_tile_runs_the_gluon_kernel_in_the_ffns_launch(monkeypatch):
     """`TileConfig.gluon` on a weight gradient the kernel takes runs it at the config's Gluon fields (the same bits
     as calling it), paired launches included; fp32 rows (which it cannot take) run our Triton kernel."""
@@ -261,9 +301,10 @@ def test_gpu_the_gluon_tile_runs_the_gluon_kernel_in_the_ffns_launch(monkeypatch
     tile = TileConfig(block_m=64, block_n=128, block_k=128, gluon=True, gluon_block_n=256, gluon_stages=3,
                       atomic_accumulate=True)
     main = torch.zeros(4, 768, 2048, device="cuda")
-    gg.ragged_weight_grad(a, b, offsets, tile, out=main, accumulate=True, second=_rows([1, 2, 3, 4], 768, 2048,
-                                                                                      device="cuda"))
+    second = _rows([1, 2, 3, 4], 768, 2048, device="cuda", seed=1)
+    gg.ragged_weight_grad(a, b, offsets, tile, out=main, accumulate=True, second=second)
     assert len(calls) == 1 and calls[0]["block_n"] == 256 and calls[0]["stages"] == 3 and calls[0]["second"]
+    assert _rel_err(main, _reference(a, b, offsets, second=second)) < 1e-5
     got = gg.ragged_weight_grad(a, b, offsets, tile)
     assert got.dtype == torch.bfloat16 and len(calls) == 2
     assert torch.equal(got, real(a, b, offsets, out=torch.empty_like(got), block_n=256, stages=3))
