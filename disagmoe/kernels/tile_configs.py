@@ -100,7 +100,7 @@ class TileConfig:
     # offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`, `GLUON_SWIGLU_CANDIDATES`), and for down dgrad
     # under `split_epilogue` (its plain GEMM). The weight gradients: `kernels.gluon_wgrad` (128 KA rows an item,
     # a C tile of gluon_block_n, gluon_stages ring stages; gluon_block_m unused; `gluon_tma_store`: the main
-    # gradient reduce-added by TMA, else from registers, atomically where `atomic_accumulate`), where
+    # gradient reduce-added by TMA where `atomic_accumulate`, else from registers, atomically where it), where
     # `grouped_gemm.gluon_wgrad_takes` (`tune_experts.GLUON_WGRAD_CANDIDATES`)
     gluon: bool = False
     gluon_block_m: int = 128
