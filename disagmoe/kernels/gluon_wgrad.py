@@ -30,8 +30,9 @@ Requirements (ValueError naming the fix otherwise; `takes` answers without raisi
 `grouped_gemm.ragged_weight_grad` then runs our Triton kernel): a and b bf16 or fp16 of one dtype with unit
 column stride and 16-byte-aligned rows, offsets int32, block_n in (64, 128, 256), the ring (and the TMA
 epilogue's buffers) within shared memory. `TileConfig.gluon` runs it where `bench tune-experts` measures it
-faster than our Triton tiles. Measured (one H100, session 43, docs/benchmarks.md): its GPU tests pass (NaN rows past
-the last group included, in a captured training step too); the tuner's best Gluon tile is 5-15% slower than the
+faster than our Triton tiles. Measured (one H100, session 43, docs/benchmarks.md): its GPU tests passed at 20f8b93
+(NaN rows past the last group included, in a captured training step too; the `zeroed` barrier came after, in
+fb2f8c9, and has not yet run on a GPU); the tuner's best Gluon tile is 5-15% slower than the
 best Triton one on the Qwen3 and Mixtral weight gradients (Mixtral's w2: 3.65 against 3.39 ms), so no tuned table
 names it; under ncu at 128 x 256 on Mixtral's w2 it ran 3.10 ms against Triton's 3.13.
 """
