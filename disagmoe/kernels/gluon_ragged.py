@@ -3,8 +3,9 @@
 column tile), found alike by every partition from offsets_E), the TMA ring of A and B boxes with its
 `ready` and `empty` mbarriers, the epilogues (the masked store from the wgmma layout, the TMA store
 through a shared-memory buffer), the register budgets of two consumer warpgroups beside one producer
-warp, the TMA rules an operand must meet, and the weight gradients' item order and epilogue (`fp8_gluon`'s FP8
-one over token groups, `gluon_wgrad`'s bf16 one over ragged rows). Schedules and measurements: the two kernels' modules."""
+warp, the TMA rules an operand must meet, and the weight gradients' item order and epilogue (`fp8_gluon`'s
+FP8 one over token groups, `gluon_wgrad`'s bf16 one over ragged rows). Schedules and measurements: the kernels'
+modules."""
 
 from __future__ import annotations
 

@@ -45,9 +45,10 @@ any tile either kernel takes. `TileConfig.gluon` runs it where `bench tune-exper
 Triton tiles and the library's grouped GEMM. Measured (one H100, session 43, docs/benchmarks.md): its GPU tests pass
 (eager and inside a captured step); it wins by 1-5% on the Qwen3 shape's down GEMM and down dgrad's plain GEMM
 (one micro-batch's 512 rows an expert; on Mixtral's down dgrad too, where the library's GEMM wins) and loses
-2-16% elsewhere (Mixtral's gate/up, down and gate/up dgrad 7-16%; Qwen3's gate/up and gate/up dgrad 2-5%). Under ncu, on the Mixtral down GEMM at 128 x 256 against our Triton kernel at the same tile: 2.73
-against 2.42 ms, its L2 throughput 80.8% of peak against 54.6% (about 1.7x the L2 traffic, throughput x duration)
-with the same TMA boxes and item order: not yet explained.
+2-16% elsewhere (Mixtral's gate/up, down and gate/up dgrad 7-16%; Qwen3's gate/up and gate/up dgrad 2-5%).
+Under ncu, on the Mixtral down GEMM at 128 x 256 against our Triton kernel at the same tile and the same loads a
+stage: 2.60-2.67 against 2.38 ms, its tensor pipe 86-89% active against 97% (the gap is its main loop idling, not
+bandwidth; the suspects are in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -348,32 +349,44 @@ def _check_offsets(offsets_E: torch.Tensor, experts: int) -> None:
                          f"{offsets_E.dtype} {tuple(offsets_E.shape)}")
 
 
+def _operand_problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, names: tuple[str, str, str], block_m: int,
+                      block_n: int, block_ns: tuple[int, ...], why_block_n: str) -> list[str]:
+    """Both forms' rules on the operands and the tile, each with its fix: a and b (named `names[:2]`, their
+    shared dim `names[2]`) of one operand dtype, a K a whole number of 64-deep slices (a B box must not reach
+    into the next expert's weight), a's rows a TMA view; block_m in BLOCK_MS, block_n in `block_ns`."""
+    a, b, k_name = names
+    problems = []
+    if a_NK.dtype not in OPERAND_DTYPES or b_EKN.dtype != a_NK.dtype:
+        problems.append(f"{a} and {b} must share a dtype among {list(OPERAND_DTYPES)} (got {a_NK.dtype} and "
+                        f"{b_EKN.dtype}): cast them, or run grouped_gemm.ragged_rows_gemm's Triton kernel")
+    if block_m not in BLOCK_MS or block_n not in block_ns:
+        problems.append(f"tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup), block_n in {block_ns} "
+                        f"({why_block_n}); got {block_m} x {block_n}")
+    k = a_NK.shape[1]
+    if b_EKN.shape[1] != k:
+        problems.append(f"{a} [M, {k_name}] and {b} [E, {k_name}, N] must share {k_name}; got {a} "
+                        f"{tuple(a_NK.shape)}, {b} {tuple(b_EKN.shape)}")
+    if k == 0 or k % BLOCK_K:
+        problems.append(f"{k_name} must be a positive multiple of {BLOCK_K} (a B box must not reach into the next "
+                        f"expert's weight); got {k_name}={k}")
+    if not tma_rows(a_NK):
+        problems.append(f"{a} must have unit column stride and 16-byte-aligned rows (TMA): pass {a}.contiguous(); "
+                        f"got strides {a_NK.stride()}")
+    return problems
+
+
 def _problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int, block_n: int, out: torch.Tensor | None = None,
               stages: int = 4, tma_store: bool = False) -> list[str]:
     """What keeps this launch from the kernel, each with its fix (empty: it takes it): the operands, the
     tile, `out` (given, else a new one in a's dtype) and the ring's depth beside the store's buffers."""
-    problems = []
-    if a_NK.dtype not in OPERAND_DTYPES or b_EKN.dtype != a_NK.dtype:
-        problems.append(f"a and b must share a dtype among {list(OPERAND_DTYPES)} (got {a_NK.dtype} and "
-                        f"{b_EKN.dtype}): cast them, or run grouped_gemm.ragged_rows_gemm's Triton kernel")
-    if block_m not in BLOCK_MS or block_n not in BLOCK_NS:
-        problems.append(f"tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup), block_n in {BLOCK_NS} "
-                        f"(a wgmma's N); got {block_m} x {block_n}")
+    problems = _operand_problems(a_NK, b_EKN, ("a", "b", "K"), block_m, block_n, BLOCK_NS, "a wgmma's N")
     rows, k = a_NK.shape
     n = b_EKN.shape[2]
-    if b_EKN.shape[1] != k:
-        problems.append(f"a [M, K] and b [E, K, N] must share K; got a {tuple(a_NK.shape)}, b {tuple(b_EKN.shape)}")
-    if k == 0 or k % BLOCK_K:
-        problems.append(f"K must be a positive multiple of {BLOCK_K} (a B box must not reach into the next expert's "
-                        f"weight); got K={k}")
     if block_n in BLOCK_NS and n % block_n:
         problems.append(f"N must be a multiple of block_n={block_n}; got N={n}: take a block_n that divides it")
     if _b_layout(b_EKN) is None:
         problems.append(f"b must be contiguous [E, K, N] storage or a transposed view of contiguous [E, N, K] "
                         f"storage, its base and rows 16-byte aligned (a TMA view); got strides {b_EKN.stride()}")
-    if not tma_rows(a_NK):
-        problems.append(f"a must have unit column stride and 16-byte-aligned rows (TMA): pass a.contiguous(); got "
-                        f"strides {a_NK.stride()}")
     if out is not None and (out.shape != (rows, n) or out.dtype not in OUT_DTYPES):
         problems.append(f"out must be a [M, N] = {(rows, n)} tensor of {list(OUT_DTYPES)}; got {out.dtype} "
                         f"{tuple(out.shape)}")
@@ -450,28 +463,16 @@ def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, b
                      out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None,
                      stages: int = 4, tma_store: bool = False) -> list[str]:
     """What keeps this launch from the SwiGLU kernel, each with its fix (empty: it takes it)."""
-    problems = []
-    if x_NH.dtype not in OPERAND_DTYPES or w13_EH2F.dtype != x_NH.dtype:
-        problems.append(f"x and w13 must share a dtype among {list(OPERAND_DTYPES)} (got {x_NH.dtype} and "
-                        f"{w13_EH2F.dtype})")
-    if block_m not in BLOCK_MS or block_n not in SWIGLU_BLOCK_NS:
-        problems.append(f"tiles: block_m in {BLOCK_MS}, block_n in {SWIGLU_BLOCK_NS} (two fp32 sums a thread: gate "
-                        f"and up); got {block_m} x {block_n}")
+    problems = _operand_problems(x_NH, w13_EH2F, ("x", "w13", "H"), block_m, block_n, SWIGLU_BLOCK_NS,
+                                 "two fp32 sums a thread: gate and up")
     rows, k = x_NH.shape
     two_f = w13_EH2F.shape[2]
-    if w13_EH2F.shape[1] != k:
-        problems.append(f"x [M, H] and w13 [E, H, 2F] must share H; got x {tuple(x_NH.shape)}, w13 "
-                        f"{tuple(w13_EH2F.shape)}")
-    if k == 0 or k % BLOCK_K:
-        problems.append(f"H must be a positive multiple of {BLOCK_K}; got {k}")
     if two_f % 2 or (block_n in SWIGLU_BLOCK_NS and (two_f // 2) % block_n):
         problems.append(f"w13's 2F columns must split into gate and up halves of whole block_n={block_n} tiles; "
                         f"got 2F={two_f}")
     if _b_layout(w13_EH2F) != "n-major":
         problems.append(f"w13 must be contiguous [E, H, 2F] storage (the weight as stored), 16-byte aligned; got "
                         f"strides {w13_EH2F.stride()}")
-    if not tma_rows(x_NH):
-        problems.append(f"x must have unit column stride and 16-byte-aligned rows (TMA); got strides {x_NH.stride()}")
     for name, t, width in (("out", out, two_f // 2), ("h13_N2F", h13_N2F, two_f)):
         if t is not None and (t.shape != (rows, width) or t.dtype not in OUT_DTYPES):
             problems.append(f"{name} must be a [M, {width}] = {(rows, width)} tensor of {list(OUT_DTYPES)}; got "
@@ -507,8 +508,9 @@ def gluon_swiglu_gemm(
     """act[rows_g] = silu(x @ w13[e][:, :F]) * (x @ w13[e][:, F:]) for every row group g (e = g mod E), the
     gate and up sums in fp32: `grouped_gemm.ragged_rows_gemm`'s SwiGLU epilogue; `h13_N2F` (given) receives the
     two pre-activations (gate at [:F], up at [F:]). `out` (given: [M, F] of `OUT_DTYPES`) or a new one in x's
-    dtype. `stages`: the ring's depth (`ring_stage_bytes` with two B boxes each). `tma_store`: act's 64-row waves wholly inside
-    their group stored by TMA through shared memory (as `gluon_rows_gemm`'s), where `out` takes a descriptor."""
+    dtype. `stages`: the ring's depth (`ring_stage_bytes` with two B boxes each). `tma_store`: act's 64-row waves
+    wholly inside their group stored by TMA through shared memory (as `gluon_rows_gemm`'s), where `out` takes a
+    descriptor."""
     problems = _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages, tma_store)
     if problems:
         raise ValueError("gluon_swiglu_gemm cannot take this launch: " + "; ".join(problems))
