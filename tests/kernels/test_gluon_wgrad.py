@@ -310,3 +310,12 @@ def test_gpu_the_gluon_tile_runs_the_gluon_kernel_in_the_ffns_launch(monkeypatch
     assert torch.equal(got, real(a, b, offsets, out=torch.empty_like(got), block_n=256, stages=3))
     gg.ragged_weight_grad(a.float(), b.float(), offsets, tile)
     assert len(calls) == 2
+
+
+def test_tma_rows_counts_a_row_stride_in_bytes():
+    """TMA needs 16-byte row strides: bf16 rows 8 elements apart qualify, e4m3 rows 8 bytes apart do not, nor a
+    column-strided view."""
+    assert gra.tma_rows(torch.zeros(4, 8, dtype=torch.bfloat16))
+    assert not gra.tma_rows(torch.zeros(4, 8, dtype=torch.float8_e4m3fn))
+    assert gra.tma_rows(torch.zeros(4, 16, dtype=torch.float8_e4m3fn))
+    assert not gra.tma_rows(torch.zeros(4, 16, dtype=torch.bfloat16)[:, ::2])
