@@ -126,7 +126,7 @@ def profiled_warmup(cfg: TrainConfig, warmup: int, steps: int) -> tuple[int, str
     runs (its last, counted step never reached). So a precision-fp8 run counting its numerics every Nth
     step (`fp8_counters_every`) warms up through the counting graph's capture only where a multiple of N
     falls in its steps, not through step N whatever N is."""
-    chosen = max(warmup, *capture_steps(cfg)[:1])  # an unbounded run's first capture: none where it runs eagerly
+    chosen = max([warmup, *capture_steps(cfg)[:1]])  # an unbounded run's first capture: none where it runs eagerly
     while True:  # a longer warm-up moves the profiled steps later: a capture may fall in them again
         captures = capture_steps(cfg, chosen + steps, chosen + steps + 1)
         if not captures or chosen >= captures[-1]:

@@ -234,6 +234,17 @@ def test_a_profile_warms_up_through_the_captures_its_own_steps_reach_only():
     assert profiled_warmup(fp8.model_copy(update={"fp8_counters_every": 1000}), 3, 2)[0] == 4
 
 
+def test_an_eager_profile_warms_up_as_asked():
+    """`bench profile ... cuda_graphs=off` (the run captures nothing): the asked warm-up, no reason given
+    (it raised TypeError before: `max` of one int, session 44's H100 call)."""
+    from disagmoe.bench.profile_step import profiled_warmup
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "mode=single", "experts_backend=triton",
+                                                      "cuda_graphs=off"])
+    assert profiled_warmup(cfg, 3, 1) == (3, None) and profiled_warmup(cfg, 0, 2) == (0, None)
+
+
 @pytest.mark.gpu
 def test_cuda_a_profile_reports_its_steps_and_their_clocks():
     """`bench profile` on the tiny config on a GPU: its step split, the profiled steps' GPU clocks
