@@ -152,8 +152,15 @@ def _adamw_update(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     return Work(hbm_bytes=count_params(m).total * (read + written))
 
 
+# torch._grouped_mm's CUTLASS kernels, where a tuned tile routes a bf16 row GEMM to the library (`TileConfig.library`):
+# their mangled names hold the grouped problem shape and the pointer-array schedule; a step's dense projections run
+# cuBLAS's (nvjet) kernels, and its FP8 rowwise projections CUTLASS GEMMs without either
+LIBRARY_GROUPED_GEMM_KEYS = ("groupproblemshape", "ptrarraytmawarpspecialized")
+
 FAMILIES = (
-    KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm"),
+    # with the split epilogue's bf16 SwiGLU-gradient pass (not the FP8 recipe's quantising one), down dgrad's other half
+    KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm",
+                                             "_swiglu_grad_rows_kernel") + LIBRARY_GROUPED_GEMM_KEYS,
                  _row_gemms(fp8=False)),
     KernelFamily("expert row GEMMs (FP8)", ("fp8_rows_gemm",), _row_gemms(fp8=True), fp8=True),
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad", "_gluon_weight_grad"), _expert_weight_grads),
