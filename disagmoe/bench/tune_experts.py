@@ -315,16 +315,20 @@ def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[s
                flops: dict[str, float], rows: int, experts: int, shape_name: str,
                time_ms: Callable[[Callable[[], object]], float], log: Callable[[str], None] = print,
                configs: Callable[[str], list[TileConfig]] = candidates,
-               default: Callable[[str], TileConfig] = default_config) -> dict:
+               default: Callable[[str], TileConfig] = default_config,
+               tuned: Callable[[dict], object] = lambda results: None) -> dict:
     """One shape's results, keyed by shape class (`tile_configs.shape_class` of each role's dims,
     `rows` and `experts`): the best config of `default(role)` and `configs(role)` (`search`), its
-    time, rate and the default's time: what `write_tuned` saves."""
+    time, rate and the default's time: what `write_tuned` saves. `tuned` is handed each class's result
+    as soon as its search ends (`{class: result}`), so a caller can save it before the next role starts."""
     results = {}
     for role, launch in launches.items():
         best_ms, best, default_ms = search(launch, default(role), configs(role), time_ms, log, role)
         rate = flops[role] / best_ms / 1e9
-        results[shape_class(role, *dims[role], rows, experts)] = {
+        key = shape_class(role, *dims[role], rows, experts)
+        results[key] = {
             "config": best.to_json(), "ms": best_ms, "tflops": rate, "heuristic_ms": default_ms, "shape": shape_name}
+        tuned({key: results[key]})
         log(f"{shape_name:20s} {role:14s} best {best_ms:7.3f} ms ({rate:4.0f} TFLOP/s), default {default_ms:7.3f} ms: "
             f"{best}")
     return results
@@ -339,10 +343,12 @@ def check_roles(roles: list[str] | None, precision: str) -> None:
 
 
 def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str], None] = print,
-         precision: str = "bf16", roles: list[str] | None = None) -> dict:
+         precision: str = "bf16", roles: list[str] | None = None,
+         save: Callable[[dict], object] = lambda record: None) -> dict:
     """Best tile per (role, shape class) with its time and the default's (the heuristic, or
     `Fp8Tiles`' field), for every shape (fp8: the FP8 FFN's roles), only `roles` where given (the
-    other classes' entries stay as the table has them)."""
+    other classes' entries stay as the table has them). `save` is handed a record of each class alone
+    as soon as it is tuned (`write_tuned` merges it), so an interrupted search keeps what it measured."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
     check_roles(roles, precision)
@@ -352,6 +358,7 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         raise ValueError("`tune-experts --precision fp8` needs FP8 tensor cores (sm_89 or newer)")
     device = torch.device("cuda")
     time_ms = lambda fn: median_ms(lambda _: fn(), warmup, iters)  # noqa: E731
+    env, arch = environment(device), device_architecture(device)
     results = {}
     for shape in shapes:
         name = shape.name
@@ -368,10 +375,11 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
                      for role in launches}
         if roles:
             launches = {role: launch for role, launch in launches.items() if role in roles}
-        results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log))
+        results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log,
+                                  tuned=lambda one: save({"environment": env, "architecture": arch, "results": one})))
         del launches
         torch.cuda.empty_cache()
-    return {"environment": environment(device), "architecture": device_architecture(device), "results": results}
+    return {"environment": env, "architecture": arch, "results": results}
 
 
 def write_tuned(record: dict, out: Path | None) -> Path:

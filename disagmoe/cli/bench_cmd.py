@@ -260,7 +260,8 @@ def tune_experts(
     The table is keyed by (GEMM, K, N, mean rows per expert rounded up to a power of 2); a run whose
     class was never tuned launches the heuristic tiles. `--config CFG` tunes exactly the classes
     that run launches: `disagmoe bench tune-experts -c configs/h200x2-qwen3-30b.yaml micro_batches=2`;
-    `--role wgrad_w13 --role wgrad_w2` only the weight gradients."""
+    `--role wgrad_w13 --role wgrad_w2` only the weight gradients. Each class is saved as soon as it is
+    tuned: a search stopped part-way keeps the classes it finished."""
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.bench.experts import SHAPES, shape_of_run
 
@@ -278,7 +279,8 @@ def tune_experts(
 
         device = torch.device("cuda") if torch.cuda.is_available() else None
         shapes.append(shape_of_run(load_train_config(config, overrides), device))
-    record = tuner.tune(shapes, warmup, iters, log=console.print, precision=precision, roles=role)
+    record = tuner.tune(shapes, warmup, iters, log=console.print, precision=precision, roles=role,
+                        save=lambda one: tuner.write_tuned(one, out))  # each class as it is tuned
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
 

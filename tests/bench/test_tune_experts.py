@@ -147,6 +147,33 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     assert not any(c.tma and c.flatten for c in tuner.candidates("gate_up"))
 
 
+def test_each_class_is_saved_as_soon_as_it_is_tuned(monkeypatch, tmp_path):
+    """A search stopped part-way (a timeout, ^C) keeps the classes it finished: `tune(save=...)` is handed
+    each one as its search ends, and `write_tuned` merges it into the table at once."""
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.bench.experts import SHAPES
+
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
+    monkeypatch.setattr(tuner, "device_architecture", lambda device: "sm_90x132")
+    monkeypatch.setattr(tuner, "role_launches", lambda shape, device: {"down": None, "gate_up": None})
+    monkeypatch.setattr(tuner, "_hopper", lambda: False)
+    best = TileConfig(block_m=64, block_n=128, block_k=64)
+
+    def search(launch, default, configs, time_ms, log, role):
+        if role == "gate_up":
+            raise KeyboardInterrupt  # the second role's search never ends
+        return 1.0, best, 2.0
+
+    monkeypatch.setattr(tuner, "search", search)
+    table = tmp_path / "gpu.json"
+    with pytest.raises(KeyboardInterrupt):
+        tuner.tune([SHAPES["qwen3-30b-a3b"]], 0, 1, log=lambda m: None, save=lambda one: tuner.write_tuned(one, table))
+    saved = json.loads(table.read_text())
+    assert [key.split("/")[0] for key in saved["entries"]] == ["down"]
+    assert TileConfig(**next(iter(saved["entries"].values()))) == best and saved["architecture"] == "sm_90x132"
+
+
 def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps({"entries": {"down/k1/n1/m1": {"block_m": 64}}, "measured": {}}))
