@@ -45,7 +45,10 @@ any tile either kernel takes. `TileConfig.gluon` runs it where `bench tune-exper
 Triton tiles and the library's grouped GEMM. Measured (one H100, session 43, docs/benchmarks.md): its GPU tests pass
 (eager and inside a captured step); it wins by 1-5% on the Qwen3 shape's down GEMM and down dgrad's plain GEMM
 (one micro-batch's 512 rows an expert; on Mixtral's down dgrad too, where the library's GEMM wins) and loses
-2-16% elsewhere (Mixtral's gate/up, down and gate/up dgrad 7-16%; Qwen3's gate/up and gate/up dgrad 2-5%).
+2-16% elsewhere (Mixtral's gate/up, down and gate/up dgrad 7-16%; Qwen3's gate/up and gate/up dgrad 2-5%). At the
+Qwen3 config's m=2 launches (2,048 rows an expert; session 44, one H100) it wins down, down dgrad and gate/up dgrad
+by 3-7% over the better of the library and our Triton kernel at 128 x 256 with the TMA store: the H100 table names it
+there, and the 3-layer m=2 step went 223.9 -> 217.8 ms.
 Under ncu, on the Mixtral down GEMM at 128 x 256 against our Triton kernel at the same tile and the same loads a
 stage: 2.60-2.67 against 2.38 ms, its tensor pipe 86-89% active against 97% (the gap is its main loop idling, not
 bandwidth; the suspects are in docs/benchmarks.md).
