@@ -160,13 +160,16 @@ PASSES = ("fwd", "fwd+bwd")
 class ExpertShape:
     """One benchmark shape: a model's experts on one rank of an expert-parallel group, `pairs`
     (token, expert) rows per launch; routed Zipf-skewed, or `balanced` (every expert its mean
-    rows, as a run's `routing: balanced`)."""
+    rows, as a run's `routing: balanced`). `paired_wgrads`: its weight gradients run over two
+    micro-batches' rows in one launch (`kernels.wgrad_pairs`), as a run that pairs them launches
+    them (`bench tune-experts -c` times them so; the tile is looked up by one micro-batch's rows)."""
 
     name: str
     model: str | ModelConfig
     expert_parallel: int
     pairs: int
     balanced: bool = False
+    paired_wgrads: bool = False
 
     @property
     def dims(self) -> tuple[int, int, int, int]:
@@ -206,20 +209,31 @@ SHAPES = {s.name: s for s in (
 def shape_of_run(cfg: TrainConfig, device: torch.device | None = None) -> ExpertShape:
     """The expert GEMMs of `cfg`'s micro-batches as one GPU of `mode: single` runs them (every
     expert local, `batch_size / micro_batches x seq_len` tokens per launch; `micro_batches: auto`
-    chosen for `device`, as the run would), balanced when the run's routing is. The tuned table's
+    chosen for `device`, as the run would), balanced when the run's routing is, the weight gradients
+    paired where the run pairs them (`expert_wgrad_pairs: auto` resolved on `device`'s memory as the
+    trainer resolves it; without a GPU, auto counts as on where it applies). The tuned table's
     shape class (K, N, mean rows per expert) is the same on each expert rank of a distributed
     layout that serves the same tokens per expert."""
+    from disagmoe.runtime.training.micro_batches import device_capacity_bytes
+    from disagmoe.runtime.training.single_memory import resolve_wgrad_pairs
     from disagmoe.runtime.training.trainer import resolve_single_micro_batches
 
     model_cfg = load_model(cfg.model)
+    cfg = cfg.model_copy(update={"mode": "single"})
+    on_gpu = device is not None and device.type == "cuda"
     if cfg.micro_batches == "auto":
-        if device is None or device.type != "cuda":
+        if not on_gpu:
             raise ValueError("micro_batches: auto is chosen from the GPU's memory: run this on the GPU, or give "
                              "micro_batches=N")
-        cfg, _ = resolve_single_micro_batches(cfg.model_copy(update={"mode": "single"}), model_cfg, device)
+        cfg, _ = resolve_single_micro_batches(cfg, model_cfg, device)
+    elif on_gpu:
+        cfg, _ = resolve_wgrad_pairs(cfg, model_cfg, device_capacity_bytes(device))
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
-    name = f"{model_cfg.name}-t{tokens}" + ("-balanced" if cfg.routing == "balanced" else "")
-    return ExpertShape(name, model_cfg, 1, tokens * model_cfg.top_k, balanced=cfg.routing == "balanced")
+    paired = cfg.pairs_expert_wgrads
+    name = f"{model_cfg.name}-t{tokens}" + ("-balanced" if cfg.routing == "balanced" else "") + \
+        ("-paired-wgrads" if paired else "")
+    return ExpertShape(name, model_cfg, 1, tokens * model_cfg.top_k, balanced=cfg.routing == "balanced",
+                       paired_wgrads=paired)
 
 
 def zipf_routing(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:

@@ -206,8 +206,13 @@ def role_launches(shape: ExpertShape,
     w2 = torch.randn(experts, ffn, hidden, **bf16) / ffn**0.5
     out_f, out_2f = torch.empty_like(act), torch.empty_like(h13)
     h13_out = torch.empty_like(h13)
-    # the weight gradients as a training step runs them: added into fp32 main gradients
+    # the weight gradients as a training step runs them: added into fp32 main gradients, over two micro-batches'
+    # rows in one launch where the run pairs them (the second set's own rows, routed alike)
     dw13, dw2 = (torch.zeros(w.shape, device=device, dtype=torch.float32) for w in (w13, w2))
+    second_w2 = second_w13 = None
+    if shape.paired_wgrads:
+        second_w2 = (torch.randn(rows, ffn, **bf16), torch.randn(rows, hidden, **bf16), offsets)
+        second_w13 = (torch.randn(rows, hidden, **bf16), torch.randn(rows, 2 * ffn, **bf16), offsets)
     return {
         "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU,
                                                  h13_N2C=h13_out, out=out_f),
@@ -217,10 +222,10 @@ def role_launches(shape: ExpertShape,
                                                     epilogue=gg.EPILOGUE_SWIGLU_GRAD,
                                                     h13_N2C=h13, out=out_2f),
         "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c),
-        "wgrad_w2": AccumulatingLaunch(lambda c: gg.ragged_weight_grad(act, dy, offsets, c, out=dw2,
-                                                                       accumulate=True), dw2),
+        "wgrad_w2": AccumulatingLaunch(lambda c: gg.ragged_weight_grad(act, dy, offsets, c, out=dw2, accumulate=True,
+                                                                       second=second_w2), dw2),
         "wgrad_w13": AccumulatingLaunch(lambda c: gg.ragged_weight_grad(x, dh13, offsets, c, out=dw13,
-                                                                        accumulate=True), dw13),
+                                                                        accumulate=True, second=second_w13), dw13),
     }
 
 
@@ -372,7 +377,7 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
             launches = role_launches(shape, device)
             dims = FFNTiles.gemm_dims(hidden, ffn)
             flops = {role: gemm_flops * (2 if role in ("gate_up", "gate_up_dgrad", "wgrad_w13") else 1)
-                     for role in launches}
+                     * (2 if shape.paired_wgrads and role.startswith("wgrad") else 1) for role in launches}
         if roles:
             launches = {role: launch for role, launch in launches.items() if role in roles}
         results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log,

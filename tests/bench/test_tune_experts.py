@@ -36,6 +36,19 @@ def test_a_runs_shape_is_its_micro_batch_of_tokens_routed_as_the_run_routes():
     assert learned.pairs == 2 * 4096 * 8 and not learned.balanced
 
 
+@pytest.mark.parametrize("overrides, paired", [
+    (["micro_batches=2"], True),  # expert_wgrad_pairs: auto, where it applies (no GPU to resolve it on: on)
+    (["micro_batches=2", "expert_wgrad_pairs=off"], False),
+    (["micro_batches=1"], False),  # nothing to pair
+    (["micro_batches=2", "experts_backend=grouped_mm"], False),  # no main-gradient launches to pair
+])
+def test_a_runs_shape_pairs_its_weight_gradients_where_the_run_does(overrides, paired):
+    """`tune-experts -c` times the weight gradients as the run launches them: over two micro-batches' rows
+    in one launch where it pairs them (`kernels.wgrad_pairs`), the class still keyed by one micro-batch's rows."""
+    shape = bench.shape_of_run(load_train_config(QWEN3, overrides))
+    assert shape.paired_wgrads is paired and shape.name.endswith("-paired-wgrads") is paired
+
+
 def test_micro_batches_auto_needs_the_gpu_it_is_chosen_for():
     with pytest.raises(ValueError, match="micro_batches: auto is chosen from the GPU's memory.*micro_batches=N"):
         bench.shape_of_run(load_train_config(QWEN3), device=None)
@@ -82,6 +95,30 @@ def test_every_role_launches_and_computes_the_same_function_under_another_tile(i
             launch(small)
             atomic = launch(dataclasses.replace(small, atomic_accumulate=True))
             assert torch.equal(atomic, twice), role
+
+
+def test_a_paired_shapes_weight_gradients_launch_with_a_second_row_set(monkeypatch):
+    """A paired shape's weight-gradient launches (what the tuner times) pass `ragged_weight_grad` a second
+    micro-batch's rows (`second`: rows of their own, the same expert groups); an unpaired shape's pass none."""
+    from disagmoe.bench import tune_experts as tuner
+
+    seen = {}
+    monkeypatch.setattr(tuner.gg, "ragged_weight_grad",
+                        lambda a, b, offsets, config, **kw: seen.setdefault(b.shape[1], (a, b, offsets, kw)))
+    shape = bench.ExpertShape("tiny", "tiny", 1, 48, balanced=False, paired_wgrads=True)
+    for paired in (True, False):
+        seen.clear()
+        launches = tuner.role_launches(dataclasses.replace(shape, paired_wgrads=paired), torch.device("cpu"))
+        launches["wgrad_w2"](heuristic("wgrad_w2"))
+        launches["wgrad_w13"](heuristic("wgrad_w13"))
+        assert len(seen) == 2
+        for a, b, offsets, kw in seen.values():
+            second = kw["second"]
+            if not paired:
+                assert second is None
+                continue
+            a2, b2, offsets2 = second
+            assert offsets2 is offsets and a2.shape == a.shape and b2.shape == b.shape and not torch.equal(a2, a)
 
 
 def test_the_command_refuses_overrides_without_a_config_and_needs_a_gpu(tmp_path):
