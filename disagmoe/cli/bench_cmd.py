@@ -903,6 +903,53 @@ def quantise(
         console.print(fused)
 
 
+@bench_app.command("loss")
+@user_errors
+def loss(
+    config: Annotated[Path, typer.Option("--config", "-c", help="a train config YAML: its model's hidden size and "
+                                         "vocabulary, a micro-batch's tokens")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides, e.g. micro_batches=2")] = None,
+    vocab: Annotated[list[int] | None, typer.Option(
+        help="also time this vocabulary at the same tokens and hidden size (repeatable), e.g. a published "
+             "model's 151936", min=1)] = None,
+    warmup: Annotated[int, typer.Option(help="untimed calls first", min=0)] = 2,
+    iters: Annotated[int, typer.Option(help="timed calls (kernel time, their mean)", min=1)] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Time the LM head's chunked cross-entropy, forward and backward, with the fused softmax kernel
+    (kernels.cross_entropy, a GPU step's default) against torch's ops in the same run: the whole head and
+    one chunk's softmax alone (GB/s against the HBM copy rate), and how far the two losses differ.
+
+    \b
+    Example: disagmoe bench loss -c configs/h200x2-qwen3-30b.yaml micro_batches=2 --vocab 151936"""
+    from disagmoe.bench import loss as bench
+    from disagmoe.config import load_train_config
+    from disagmoe.model_ref import load_model
+
+    cfg = load_train_config(config, overrides)
+    if cfg.micro_batches == "auto":
+        raise typer.BadParameter("micro_batches: auto is chosen by a run; give the split to time, e.g. "
+                                 "micro_batches=2")
+    model = load_model(cfg.model)
+    tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
+        lambda m: console.print(m, highlight=False, markup=False))
+    record = bench.run(tokens, model.hidden_size, [model.vocab_size, *(vocab or [])], warmup, iters, log)
+    if as_json:
+        print_json(record)
+        return
+    table = Table(title=f"LM head + cross-entropy, {tokens:,} tokens x hidden {model.hidden_size}, bf16, kernel ms "
+                        f"(HBM copy in the same run: {record['copy_gbps']:,.0f} GB/s)")
+    for col in ("vocab", "chunk", "head torch", "head fused", "speedup", "softmax torch", "softmax fused", "speedup",
+                "fused of copy", "loss rel diff"):
+        table.add_column(col, justify="right")
+    for r in record["rows"]:
+        table.add_row(f"{r['vocab']:,}", f"{r['chunk']:,}", f"{r['head_torch_ms']:.3f}", f"{r['head_fused_ms']:.3f}",
+                      f"{r['head_speedup']:.2f}x", f"{r['softmax_torch_ms']:.3f}", f"{r['softmax_fused_ms']:.3f}",
+                      f"{r['softmax_speedup']:.2f}x", f"{r['softmax_fused_of_copy']:.0%}", f"{r['loss_rel_diff']:.1e}")
+    console.print(table)
+
+
 @bench_app.command("placement")
 @user_errors
 def placement(

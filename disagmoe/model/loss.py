@@ -9,12 +9,18 @@ gradients right away (d logits = softmax - onehot) and keeps only dh [N, H] and 
 fp32 main gradient where a mixed-precision optimizer keeps one (`param.main_grad`, FlatAdamW). Without gradients it is a plain
 chunked forward.
 
+On a GPU each chunk's softmax, loss and d logits run as one fused pass over the logits in their own dtype
+(`kernels.cross_entropy`: the same fp32 arithmetic, 6 bytes a bf16 logit against torch's five passes' 44);
+on the CPU, or with `fused=False`, the torch ops below.
+
 Shape legend: N tokens, H hidden, V vocabulary, C tokens of one chunk.
 """
 
 from __future__ import annotations
 
 import torch
+
+from disagmoe.kernels import cross_entropy as fused_ce
 
 DEFAULT_CHUNK_TOKENS = 4096
 LOGIT_BYTES_PER_CHUNK = 1 << 28  # fp32 logits of one chunk: the chunk shrinks for big vocabularies
@@ -27,22 +33,40 @@ def chunk_size(tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
     return max(1, min(tokens, chunk_tokens))
 
 
+def _torch_chunk(logits_CV: torch.Tensor, t_C: torch.Tensor, divisor: int | None,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the chunk's summed loss, its d logits in `dtype` or None without `divisor`) by torch ops, in fp32."""
+    logits_CV = logits_CV.float()
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    total = (lse_C - logits_CV.gather(1, t_C[:, None]).squeeze(1)).sum()
+    if divisor is None:
+        return total, None
+    d_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax, in place
+    d_CV.scatter_add_(1, t_C[:, None], torch.full_like(lse_C[:, None], -1.0))
+    return total, d_CV.div_(divisor).to(dtype)
+
+
+def _fused_chunk(logits_CV: torch.Tensor, t_C: torch.Tensor, divisor: int | None,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_torch_chunk` in one kernel (`kernels.cross_entropy`), d logits written over the logits."""
+    total = fused_ce.softmax_cross_entropy_(logits_CV, t_C, divisor).sum()
+    return total, None if divisor is None else logits_CV.to(dtype)
+
+
 def _chunked(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int, needs_h: bool,
-             needs_w: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(mean loss, d loss / d h or None, fp32 d loss / d w or None), one chunk of tokens at a time."""
+             needs_w: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean loss, d loss / d h or None, fp32 d loss / d w or None), one chunk of tokens at a time, each
+    chunk's softmax by `_fused_chunk` where `fused`, else `_torch_chunk`."""
     N = h_NH.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=h_NH.device)
     dh_NH = torch.empty_like(h_NH) if needs_h else None
     dw_VH = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) if needs_w else None
+    softmax = _fused_chunk if fused else _torch_chunk
     for start in range(0, N, chunk):
         h_CH, t_C = h_NH[start:start + chunk], targets_N[start:start + chunk]
-        logits_CV = (h_CH @ w_VH.T).float()
-        lse_C = torch.logsumexp(logits_CV, dim=-1)
-        total += (lse_C - logits_CV.gather(1, t_C[:, None]).squeeze(1)).sum()
-        if needs_h or needs_w:
-            d_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax, in place
-            d_CV.scatter_add_(1, t_C[:, None], torch.full_like(lse_C[:, None], -1.0))
-            d_CV = d_CV.div_(N).to(h_NH.dtype)
+        chunk_total, d_CV = softmax(h_CH @ w_VH.T, t_C, N if needs_h or needs_w else None, h_NH.dtype)
+        total += chunk_total
+        if d_CV is not None:
             if needs_h:
                 dh_NH[start:start + chunk] = d_CV @ w_VH
             if needs_w:
@@ -52,8 +76,9 @@ def _chunked(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, ch
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int) -> torch.Tensor:
-        loss, dh_NH, dw_VH = _chunked(h_NH, w_VH, targets_N, chunk, *ctx.needs_input_grad[:2])
+    def forward(ctx, h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int,
+                fused: bool) -> torch.Tensor:
+        loss, dh_NH, dw_VH = _chunked(h_NH, w_VH, targets_N, chunk, *ctx.needs_input_grad[:2], fused)
         ctx.save_for_backward(dh_NH, dw_VH)
         ctx.w_dtype = w_VH.dtype
         main = getattr(w_VH, "main_grad", None)  # FlatAdamW's fp32 buffer: add there, in fp32
@@ -65,22 +90,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh_NH, dw_VH = ctx.saved_tensors
         dh = None if dh_NH is None else dh_NH * grad_loss.to(dh_NH.dtype)
         if dw_VH is None:
-            return dh, None, None, None
+            return dh, None, None, None, None
         if ctx.main_grad is not None:
             ctx.main_grad.add_(dw_VH * grad_loss)
-            return dh, None, None, None
-        return dh, (dw_VH * grad_loss).to(ctx.w_dtype), None, None
+            return dh, None, None, None, None
+        return dh, (dw_VH * grad_loss).to(ctx.w_dtype), None, None, None
 
 
 def linear_cross_entropy(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor,
-                         chunk_tokens: int | None = None) -> torch.Tensor:
+                         chunk_tokens: int | None = None, fused: bool | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of the logits h @ w^T (fp32 log-softmax), in token chunks
-    (module docstring). `h_NH` [N, H] final-normed hidden states, `w_VH` the LM head."""
+    (module docstring). `h_NH` [N, H] final-normed hidden states, `w_VH` the LM head. `fused`: each
+    chunk's softmax in `kernels.cross_entropy`'s kernel (default: on a GPU), else torch's ops."""
+    fused = h_NH.is_cuda if fused is None else fused
     if h_NH.dim() != 2 or w_VH.dim() != 2 or h_NH.shape[1] != w_VH.shape[1] or targets_N.shape != h_NH.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants h [N, H], w [V, H], targets [N]; got "
                          f"{tuple(h_NH.shape)}, {tuple(w_VH.shape)}, {tuple(targets_N.shape)}")
     chunk = chunk_size(h_NH.shape[0], w_VH.shape[0], chunk_tokens)
     if not torch.is_grad_enabled() or not (h_NH.requires_grad or w_VH.requires_grad):
         with torch.no_grad():
-            return _chunked(h_NH, w_VH, targets_N, chunk, False, False)[0]
-    return _LinearCrossEntropy.apply(h_NH, w_VH, targets_N, chunk)
+            return _chunked(h_NH, w_VH, targets_N, chunk, False, False, fused)[0]
+    return _LinearCrossEntropy.apply(h_NH, w_VH, targets_N, chunk, fused)

@@ -1174,3 +1174,17 @@ def test_the_combines_backward_compiles_quantising_dy_without_spills(usage):
         permute.combine_backward_quantized(dy, rows, dest, weights)
     assert [label for label, *_ in usage.found] == ["top-2 plain", "top-2 quantising", "top-8 plain", "top-8 quantising"]
     assert not [found for found in usage.found if found[2]], usage.found
+
+
+def test_the_fused_cross_entropy_compiles_without_spills(usage):
+    """The LM head's fused softmax cross-entropy (`kernels.cross_entropy`) for sm_90a in bf16 at the config's
+    vocabulary (one 4,096 block a row), a published one (151,936: the online max over 4,096 blocks) and a small
+    one, with and without the gradient pass: no spill stores."""
+    from disagmoe.kernels import cross_entropy as ce
+
+    for vocab in (4096, 151_936, 50):
+        for divisor in (None, 8192.0):
+            usage.label = f"V={vocab} grad={divisor is not None}"
+            ce.softmax_cross_entropy_(torch.zeros(8, vocab, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int64),
+                                      divisor)
+    assert len(usage.found) == 6 and all(spill == 0 for _, _, spill in usage.found), usage.found

@@ -1,0 +1,121 @@
+"""The fused softmax cross-entropy kernel (disagmoe/kernels/cross_entropy.py) against its torch reference:
+interpreted on the CPU in fp32 at random shapes, on a GPU in bf16; and `model.loss` with it against torch's ops."""
+
+import pytest
+import torch
+
+from disagmoe.kernels import cross_entropy as ce
+
+
+def _case(seed: int, rows: int, vocab: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits_CV = (torch.randn(rows, vocab, generator=g) * 4).to(device=device, dtype=dtype)
+    targets_C = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    return logits_CV, targets_C
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_kernel_matches_its_reference_at_random_shapes_in_the_interpreter(interpreted, monkeypatch, seed):
+    """Random rows (none included) and vocabularies (not powers of 2), the online max and sum over several V
+    blocks (the block shrunk to 8 or 16 so that the interpreter walks many), with and without gradients."""
+    kernels = interpreted("disagmoe.kernels.cross_entropy")
+    g = torch.Generator().manual_seed(100 + seed)
+    rows, vocab = int(torch.randint(0, 9, (), generator=g)), int(torch.randint(1, 70, (), generator=g))
+    monkeypatch.setattr(kernels, "block_v", lambda v: 8 if seed % 2 else 16)
+    logits_CV, targets_C = _case(seed, rows, vocab)
+    for divisor in (None, 37.0):
+        want_loss, want_d = ce.softmax_cross_entropy_reference(logits_CV, targets_C, divisor)
+        got_logits = logits_CV.clone()
+        got_loss = kernels.softmax_cross_entropy_(got_logits, targets_C, divisor)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        if divisor is None:
+            assert torch.equal(got_logits, logits_CV)  # the logits left as they were
+        else:
+            torch.testing.assert_close(got_logits, want_d, rtol=1e-5, atol=1e-7)
+
+
+def test_a_strided_chunk_of_rows_and_int32_targets(interpreted):
+    """A row slice of a wider buffer (row stride past V) and int32 targets: the rows it owns alone change."""
+    kernels = interpreted("disagmoe.kernels.cross_entropy")
+    buffer = torch.randn(5, 24, generator=torch.Generator().manual_seed(3))
+    logits_CV, targets_C = buffer[:, :19], torch.tensor([0, 18, 7, 3, 11], dtype=torch.int32)
+    want_loss, want_d = ce.softmax_cross_entropy_reference(logits_CV, targets_C, 5.0)
+    spare = buffer[:, 19:].clone()
+    got_loss = kernels.softmax_cross_entropy_(logits_CV, targets_C, 5.0)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(buffer[:, :19], want_d, rtol=1e-5, atol=1e-7)
+    assert torch.equal(buffer[:, 19:], spare)
+
+
+def test_a_target_outside_the_vocabulary_gives_a_nan_loss_and_no_one_hot(interpreted):
+    kernels = interpreted("disagmoe.kernels.cross_entropy")
+    logits_CV, _ = _case(0, 2, 10)
+    targets_C = torch.tensor([3, 10])
+    d_CV = logits_CV.clone()
+    loss_C = kernels.softmax_cross_entropy_(d_CV, targets_C, 1.0)
+    assert torch.isfinite(loss_C[0]) and torch.isnan(loss_C[1])
+    torch.testing.assert_close(d_CV[1], torch.softmax(logits_CV[1], dim=0), rtol=1e-5, atol=1e-7)
+
+
+def test_arguments_it_cannot_take_are_refused():
+    logits_CV, targets_C = _case(0, 4, 6)
+    with pytest.raises(ValueError, match="unit column stride"):
+        ce.softmax_cross_entropy_(logits_CV.T, targets_C, 1.0)
+    with pytest.raises(ValueError, match="int32/int64 targets"):
+        ce.softmax_cross_entropy_(logits_CV, targets_C.float(), 1.0)
+    assert ce.block_v(4096) == 4096 and ce.block_v(151_936) == ce.MAX_BLOCK_V and ce.block_v(50) == 64
+
+
+@pytest.mark.parametrize("tokens,vocab,chunk", [(37, 11, 8), (20, 50, 64)])
+def test_the_fused_loss_equals_torchs_ops_in_the_interpreter(interpreted, tokens, vocab, chunk):
+    """`linear_cross_entropy(fused=True)` (the GPU's default) against `fused=False`: the loss, d h and the head's
+    gradient, fp32 operands, chunked."""
+    interpreted("disagmoe.kernels.cross_entropy")
+    from disagmoe.model.loss import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(tokens)
+    h = torch.randn(tokens, 16, generator=g)
+    w = torch.randn(vocab, 16, generator=g)
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    results = []
+    for fused in (True, False):
+        h_, w_ = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(h_, w_, t, chunk, fused=fused)
+        (1.5 * loss).backward()
+        results.append((loss.detach(), h_.grad, w_.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows,vocab", [(4096, 4096), (257, 151_936), (3, 5), (0, 100)])
+def test_gpu_bf16_matches_the_reference(rows, vocab):
+    """bf16 logits on a GPU: the loss within fp32 rounding of torch's, each gradient within a bf16 rounding."""
+    logits_CV, targets_C = _case(1, rows, vocab, torch.bfloat16, "cuda")
+    want_loss, want_d = ce.softmax_cross_entropy_reference(logits_CV, targets_C, 8192.0)
+    got_loss = ce.softmax_cross_entropy_(logits_CV, targets_C, 8192.0)
+    torch.testing.assert_close(got_loss, want_loss, rtol=2e-6, atol=2e-5)
+    torch.testing.assert_close(logits_CV.float(), want_d.float(), rtol=1.6e-2, atol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_the_fused_loss_trains_as_torchs_ops_do():
+    """The LM head's loss and gradients in bf16 on a GPU, fused (the default there) against torch's ops."""
+    from disagmoe.model.loss import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3000, 256, generator=g).cuda().to(torch.bfloat16)
+    w = (torch.randn(5000, 256, generator=g) * 0.05).cuda().to(torch.bfloat16)
+    t = torch.randint(0, 5000, (3000,), generator=g).cuda()
+    results = []
+    for fused in (True, False):
+        h_, w_ = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(h_, w_, t, 1024, fused=fused)
+        loss.backward()
+        results.append((loss.detach().float(), h_.grad.float(), w_.grad.float()))
+    (loss_f, dh_f, dw_f), (loss_t, dh_t, dw_t) = results
+    torch.testing.assert_close(loss_f, loss_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dh_f, dh_t, rtol=2e-2, atol=1e-6)
+    torch.testing.assert_close(dw_f, dw_t, rtol=2e-2, atol=1e-6)
