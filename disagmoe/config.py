@@ -1060,6 +1060,10 @@ class TrainConfig(StrictModel):
     fuse_elementwise: bool = Field(
         True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
+    fused_loss: bool = Field(
+        True, description="on CUDA, each chunk of the LM head's logits runs its softmax, loss and gradient as one "
+        "Triton pass (kernels/cross_entropy.py: 6 bytes of HBM traffic a bf16 logit); false: torch's five passes "
+        "over an fp32 copy (44 bytes), as CPU runs always do")
     cuda_graphs: Literal["auto", "off", "on"] = Field(
         "auto", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "

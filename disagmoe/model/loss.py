@@ -11,7 +11,7 @@ chunked forward.
 
 On a GPU each chunk's softmax, loss and d logits run as one fused pass over the logits in their own dtype
 (`kernels.cross_entropy`: the same fp32 arithmetic, 6 bytes a bf16 logit against torch's five passes' 44);
-on the CPU, or with `fused=False`, the torch ops below.
+on the CPU, with `fused=False`, or in a run with `fused_loss: false` (`set_fused_loss`), the torch ops below.
 
 Shape legend: N tokens, H hidden, V vocabulary, C tokens of one chunk.
 """
@@ -21,6 +21,23 @@ from __future__ import annotations
 import torch
 
 from disagmoe.kernels import cross_entropy as fused_ce
+
+class _Fused:
+    """Whether a CUDA chunk's softmax runs in the fused kernel by default (`set_fused_loss`; default on)."""
+
+    enabled = True
+
+
+def set_fused_loss(enabled: bool) -> None:
+    """The default of `linear_cross_entropy(fused=None)` on CUDA tensors: the fused kernel or torch's ops
+    (`TrainConfig.fused_loss`, set process-wide by the trainer and each rank, as `layers.set_fusion`)."""
+    _Fused.enabled = enabled
+
+
+def _fused_default(h_NH: torch.Tensor) -> bool:
+    """`linear_cross_entropy`'s `fused` where not given: on CUDA tensors, unless a run turned it off."""
+    return h_NH.is_cuda and _Fused.enabled
+
 
 DEFAULT_CHUNK_TOKENS = 4096
 LOGIT_BYTES_PER_CHUNK = 1 << 28  # fp32 logits of one chunk: the chunk shrinks for big vocabularies
@@ -101,8 +118,9 @@ def linear_cross_entropy(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torc
                          chunk_tokens: int | None = None, fused: bool | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of the logits h @ w^T (fp32 log-softmax), in token chunks
     (module docstring). `h_NH` [N, H] final-normed hidden states, `w_VH` the LM head. `fused`: each
-    chunk's softmax in `kernels.cross_entropy`'s kernel (default: on a GPU), else torch's ops."""
-    fused = h_NH.is_cuda if fused is None else fused
+    chunk's softmax in `kernels.cross_entropy`'s kernel (default: on a GPU unless `set_fused_loss(False)`),
+    else torch's ops."""
+    fused = _fused_default(h_NH) if fused is None else fused
     if h_NH.dim() != 2 or w_VH.dim() != 2 or h_NH.shape[1] != w_VH.shape[1] or targets_N.shape != h_NH.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants h [N, H], w [V, H], targets [N]; got "
                          f"{tuple(h_NH.shape)}, {tuple(w_VH.shape)}, {tuple(targets_N.shape)}")

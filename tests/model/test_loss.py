@@ -67,3 +67,24 @@ def test_the_head_gradient_goes_into_an_fp32_main_gradient_where_there_is_one() 
     w_ref = w.detach().float().requires_grad_()
     F.cross_entropy(h.detach().to(torch.bfloat16).float() @ w_ref.T, t).backward()
     torch.testing.assert_close(w.main_grad, 2 * w_ref.grad, rtol=3e-2, atol=3e-3)  # bf16 operands
+
+
+def test_the_fused_softmax_runs_where_asked_and_on_cuda_by_default(monkeypatch) -> None:
+    """`fused=True` runs each chunk's softmax in `kernels.cross_entropy` (here spied on: the kernel's own tests are
+    tests/kernels/test_cross_entropy.py), `fused=False` torch's ops; the default is the fused one on CUDA tensors
+    unless a run turned it off (`set_fused_loss`), never on the CPU."""
+    from disagmoe.model import loss
+
+    ran = []
+    monkeypatch.setattr(loss, "_fused_chunk", lambda *a: ran.append("fused") or loss._torch_chunk(*a))
+    monkeypatch.setattr(loss._Fused, "enabled", True)
+    h, w, t = torch.randn(9, 4), torch.randn(6, 4), torch.randint(0, 6, (9,))
+    for fused, want in ((True, ["fused"] * 3), (False, []), (None, [])):  # 3 chunks of 4; the CPU: torch's
+        ran.clear()
+        linear_cross_entropy(h.requires_grad_(), w, t, 4, fused=fused).backward()
+        assert ran == want, fused
+    on_cuda = torch.empty(0, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "meta"))
+    assert loss._fused_default(on_cuda) is True
+    loss.set_fused_loss(False)
+    assert loss._fused_default(on_cuda) is False

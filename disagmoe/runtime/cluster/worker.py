@@ -61,6 +61,7 @@ from disagmoe.runtime.stages.messages import Mailbox, MessageShapes, receive_lay
 from disagmoe.runtime.stages.pair_return import PairHop
 from disagmoe.model.experts import first_touch_params
 from disagmoe.model.layers import set_fusion
+from disagmoe.model.loss import set_fused_loss
 from disagmoe.kernels.fp8_stats import Fp8Stats, pack_for_sum, reduced_nonfinite_flag, unpack_sum
 from disagmoe.kernels.wgrad_pairs import launches_waiting, paired_weight_grads, run_waiting
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
@@ -181,6 +182,7 @@ class TrainWorker(Worker):
         attention = topology.attention_role(self.rank)
         pair = PairHop.of(cfg) if self.shapes.pair_rows else None
         set_fusion(cfg.fuse_elementwise)
+        set_fused_loss(cfg.fused_loss)
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
         self.model.set_routing(cfg.routing)

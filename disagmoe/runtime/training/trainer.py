@@ -47,7 +47,7 @@ from disagmoe.model import ModelOutput, MoETransformer
 from disagmoe.model.experts import check_backend_device, first_touch_params
 from disagmoe.model.init import materialise
 from disagmoe.model.layers import set_fusion
-from disagmoe.model.loss import linear_cross_entropy
+from disagmoe.model.loss import linear_cross_entropy, set_fused_loss
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.optimizer_state import state_bytes
 from disagmoe.roofline.params import count_params
@@ -437,6 +437,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.evaluates = self.val_data is not None and cfg.eval_every > 0
         torch.manual_seed(cfg.seed)
         set_fusion(cfg.fuse_elementwise)
+        set_fused_loss(cfg.fused_loss)
         # built on the meta device and initialised once where it runs: each tensor drawn from its CPU
         # stream and copied into device memory once (no constructor's throwaway init, no whole-model
         # copy; at 3.8 B parameters those cost `bench train` about a minute per row on an H200)

@@ -965,3 +965,17 @@ def test_set_dense_fp8_names_the_linears_blockwise_keeps_in_bf16_and_refuses_the
         warnings.simplefilter("error", RunWarning)
         assert set_dense_fp8(model, Fp8Stats("cpu"), "rowwise", True, cpu) == []
     assert all(m.fp8 and m.fp8_scaling == "rowwise" for m in linears)
+
+
+def test_a_run_sets_whether_its_loss_runs_the_fused_kernel(tmp_path, monkeypatch):
+    """`fused_loss` (default true) is the process's default for a CUDA chunk's softmax (`model.loss.set_fused_loss`,
+    as `fuse_elementwise` sets the compiled norms'): false runs torch's ops, the A/B `bench train --variant` reads."""
+    from disagmoe.model import loss
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    monkeypatch.setattr(loss._Fused, "enabled", True)  # restored after the test
+    assert TrainConfig.model_fields["fused_loss"].default is True
+    SingleProcessTrainer(tiny_run(tmp_path, fused_loss=False))
+    assert loss._Fused.enabled is False
+    SingleProcessTrainer(tiny_run(tmp_path))
+    assert loss._Fused.enabled is True
