@@ -226,14 +226,12 @@ def shape_of_run(cfg: TrainConfig, device: torch.device | None = None) -> Expert
             raise ValueError("micro_batches: auto is chosen from the GPU's memory: run this on the GPU, or give "
                              "micro_batches=N")
         cfg, _ = resolve_single_micro_batches(cfg, model_cfg, device)
-    elif on_gpu:
+    if on_gpu:  # as the trainer does after choosing the split (which settles pairs only for the splits it weighs)
         cfg, _ = resolve_wgrad_pairs(cfg, model_cfg, device_capacity_bytes(device))
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
-    paired = cfg.pairs_expert_wgrads
-    name = f"{model_cfg.name}-t{tokens}" + ("-balanced" if cfg.routing == "balanced" else "") + \
-        ("-paired-wgrads" if paired else "")
+    name = f"{model_cfg.name}-t{tokens}" + ("-balanced" if cfg.routing == "balanced" else "")
     return ExpertShape(name, model_cfg, 1, tokens * model_cfg.top_k, balanced=cfg.routing == "balanced",
-                       paired_wgrads=paired)
+                       paired_wgrads=cfg.pairs_expert_wgrads)
 
 
 def zipf_routing(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:

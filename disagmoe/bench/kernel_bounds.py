@@ -34,6 +34,8 @@ class KernelFamily:
     # the work one step asks of it, or (a str) why this run prices none: its kernels are others
     work: Callable[[TrainConfig, ModelConfig], Work | str]
     fp8: bool = False  # its GEMMs run in e4m3: the compute ceiling is the bf16 one times fp8_tflops / bf16_tflops
+    # kernels counted only where the experts' data gradients run in bf16 (an FP8 backward runs them too)
+    bf16_run_keys: tuple[str, ...] = ()
 
 
 def _micro_batch_rows(cfg: TrainConfig, m: ModelConfig) -> tuple[int, int]:
@@ -158,10 +160,10 @@ def _adamw_update(cfg: TrainConfig, m: ModelConfig) -> Work | str:
 LIBRARY_GROUPED_GEMM_KEYS = ("groupproblemshape", "ptrarraytmawarpspecialized")
 
 FAMILIES = (
-    # with the split epilogue's bf16 SwiGLU-gradient pass (not the FP8 recipe's quantising one), down dgrad's other half
-    KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm",
-                                             "_swiglu_grad_rows_kernel") + LIBRARY_GROUPED_GEMM_KEYS,
-                 _row_gemms(fp8=False)),
+    # with the split epilogue's SwiGLU-gradient pass, down dgrad's other half, where the data gradients run in bf16
+    # (an FP8 backward's follows its FP8 data gradient where the pass does not quantise: `fp8_ffn`)
+    KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm")
+                 + LIBRARY_GROUPED_GEMM_KEYS, _row_gemms(fp8=False), bf16_run_keys=("_swiglu_grad_rows_kernel",)),
     KernelFamily("expert row GEMMs (FP8)", ("fp8_rows_gemm",), _row_gemms(fp8=True), fp8=True),
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad", "_gluon_weight_grad"), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
@@ -188,7 +190,9 @@ def kernel_bounds(cfg: TrainConfig, m: ModelConfig, kernel_ms: dict[str, float])
     without a hardware preset, gets its reason in `note` and no figures."""
     rows = []
     for family in FAMILIES:
-        measured = sum(ms for name, ms in kernel_ms.items() if any(k in name.lower() for k in family.keys))
+        bf16_data_grads = cfg.expert_backward_precision in (None, "bf16")  # bf16 experts, or FP8 ones' bf16 backward
+        keys = family.keys + (family.bf16_run_keys if bf16_data_grads else ())
+        measured = sum(ms for name, ms in kernel_ms.items() if any(k in name.lower() for k in keys))
         work = family.work(cfg, m)
         row: dict = {"family": family.name, "ms_per_step": measured}
         if isinstance(work, str) or cfg.hardware is None or measured == 0.0:

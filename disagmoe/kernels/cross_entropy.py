@@ -12,7 +12,9 @@ it once (6 bytes in bf16). In the profiled Qwen3 config's step (3 of its 6 layer
 tokens against the config's 4,096) they scale with it. In place is safe: each program reads its row's
 elements in the second pass before it overwrites them, and no other program touches the row.
 
-A target outside [0, V) gives a NaN loss (where torch's gather raises on the device) and no one-hot term.
+A target outside [0, V) gives a NaN loss (where torch's gather raises on the device) and no one-hot term. A row
+whose logits are all -inf gives a NaN loss and NaN gradients, as torch's ops do; -inf logits beside finite ones (a
+masked vocabulary) add nothing to the sum.
 Legend: C rows of the chunk, V vocabulary.
 """
 
@@ -22,27 +24,27 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCK_V = 4096  # a row's elements a program loads at once (its registers: 32 fp32 a thread at 4 warps)
+MAX_BLOCK_V = 4096  # a row's elements a program loads at once (16 fp32 registers a thread at its 8 warps)
 
 
 @triton.jit
-def _softmax_cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_c, divisor,
+def _softmax_cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_c, stride_t, divisor,
                                   BLOCK_V: tl.constexpr, GRAD: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_c
     cols = tl.arange(0, BLOCK_V)
-    # the row's max and sum of exp(l - max), online over blocks: the first block seeds both (V >= 1, so
-    # the max is finite where the logits are; masked lanes add exp(-inf) = 0)
-    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    s = tl.sum(tl.exp(x - m), axis=0)
-    for start in range(BLOCK_V, V, BLOCK_V):
+    # the row's max and sum of exp(l - max), online over blocks: masked lanes and -inf logits add exp(-inf) = 0;
+    # while every logit so far is -inf the max is too, and the exponents shift by 0 instead (-inf - -inf is NaN)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK_V):
         x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = m_new
     lse = m + tl.log(s)
-    target = tl.load(targets_ptr + row).to(tl.int64)
+    target = tl.load(targets_ptr + row * stride_t).to(tl.int64)
     valid = (target >= 0) & (target < V)
     target_logit = tl.load(row_ptr + target, mask=valid, other=float("nan")).to(tl.float32)
     tl.store(loss_ptr + row, lse - target_logit)
@@ -74,7 +76,7 @@ def softmax_cross_entropy_(logits_CV: torch.Tensor, targets_C: torch.Tensor, div
         return loss_C
     block = block_v(vocab)
     _softmax_cross_entropy_kernel[(rows,)](logits_CV, targets_C, loss_C, vocab, logits_CV.stride(0),
-                                           float(divisor if divisor is not None else 1.0), BLOCK_V=block,
+                                           targets_C.stride(0), float(divisor if divisor is not None else 1.0), BLOCK_V=block,
                                            GRAD=divisor is not None, num_warps=8 if block >= 2048 else 4)
     return loss_C
 

@@ -46,7 +46,7 @@ def test_a_runs_shape_pairs_its_weight_gradients_where_the_run_does(overrides, p
     """`tune-experts -c` times the weight gradients as the run launches them: over two micro-batches' rows
     in one launch where it pairs them (`kernels.wgrad_pairs`), the class still keyed by one micro-batch's rows."""
     shape = bench.shape_of_run(load_train_config(QWEN3, overrides))
-    assert shape.paired_wgrads is paired and shape.name.endswith("-paired-wgrads") is paired
+    assert shape.paired_wgrads is paired
 
 
 def test_micro_batches_auto_needs_the_gpu_it_is_chosen_for():
@@ -219,6 +219,7 @@ def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):
               "results": {"gate_up/k2048/n768/m2048": {"config": best.to_json(), "ms": 1.0, "tflops": 600.0,
                                                        "heuristic_ms": 1.2, "shape": "qwen3"}}}
     assert tuner.write_tuned(record, path) == path
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]  # written whole, then moved over the table
     table = json.loads(path.read_text())
     assert table["entries"]["down/k1/n1/m1"] == {"block_m": 64}  # kept
     assert TileConfig(**table["entries"]["gate_up/k2048/n768/m2048"]) == best

@@ -47,6 +47,24 @@ def test_a_strided_chunk_of_rows_and_int32_targets(interpreted):
     assert torch.equal(buffer[:, 19:], spare)
 
 
+def test_minus_infinity_logits_and_strided_targets(interpreted, monkeypatch):
+    """-inf logits (a masked vocabulary) filling the first blocks of a row add nothing (the running max stays -inf
+    there: its exponents must not turn NaN); a row of -inf alone gives NaN as torch's ops do; targets read at their
+    stride (a view of every second target)."""
+    kernels = interpreted("disagmoe.kernels.cross_entropy")
+    monkeypatch.setattr(kernels, "block_v", lambda v: 4)
+    logits_CV, _ = _case(2, 3, 14)
+    logits_CV[0, :9] = float("-inf")  # two whole blocks and part of a third
+    logits_CV[2, :] = float("-inf")
+    targets_C = torch.tensor([11, 0, 5, 1, 3, 2])[::2]  # 11, 5, 3
+    want_loss, want_d = ce.softmax_cross_entropy_reference(logits_CV, targets_C, 2.0)
+    got_d = logits_CV.clone()
+    got_loss = kernels.softmax_cross_entropy_(got_d, targets_C, 2.0)
+    torch.testing.assert_close(got_loss[:2], want_loss[:2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_d[:2], want_d[:2], rtol=1e-5, atol=1e-7)
+    assert torch.isnan(want_loss[2]) and torch.isnan(got_loss[2]) and torch.isnan(got_d[2]).all()
+
+
 def test_a_target_outside_the_vocabulary_gives_a_nan_loss_and_no_one_hot(interpreted):
     kernels = interpreted("disagmoe.kernels.cross_entropy")
     logits_CV, _ = _case(0, 2, 10)
