@@ -367,8 +367,8 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
     env, arch = environment(device), device_architecture(device)
     results = {}
     for shape in shapes:
-        # the bf16 weight gradients are timed paired where the run pairs them; the FP8 ones (`fp8_role_launches`)
-        # are not yet, though a run pairs those too
+        # the bf16 weight gradients are timed paired where the run pairs them; the FP8 tile's Triton weight
+        # gradient (`fp8_role_launches`) runs a pair as two launches (`kernels.wgrad_pairs`): one set is its launch
         name = shape.name + ("-paired-wgrads" if shape.paired_wgrads and precision == "bf16" else "")
         experts, hidden, ffn, _ = shape.dims
         gemm_flops = 2.0 * shape.pairs * hidden * ffn
