@@ -34,8 +34,10 @@ class KernelFamily:
     # the work one step asks of it, or (a str) why this run prices none: its kernels are others
     work: Callable[[TrainConfig, ModelConfig], Work | str]
     fp8: bool = False  # its GEMMs run in e4m3: the compute ceiling is the bf16 one times fp8_tflops / bf16_tflops
-    # kernels counted only where the experts' data gradients run in bf16 (an FP8 backward runs them too)
-    bf16_run_keys: tuple[str, ...] = ()
+    # kernels counted only where the experts' data gradients run in bf16, or only where they run in FP8 (the split
+    # epilogue's SwiGLU-gradient pass follows either precision's data gradient)
+    bf16_backward_keys: tuple[str, ...] = ()
+    fp8_backward_keys: tuple[str, ...] = ()
 
 
 def _micro_batch_rows(cfg: TrainConfig, m: ModelConfig) -> tuple[int, int]:
@@ -158,13 +160,15 @@ def _adamw_update(cfg: TrainConfig, m: ModelConfig) -> Work | str:
 # their mangled names hold the grouped problem shape and the pointer-array schedule; a step's dense projections run
 # cuBLAS's (nvjet) kernels, and its FP8 rowwise projections CUTLASS GEMMs without either
 LIBRARY_GROUPED_GEMM_KEYS = ("groupproblemshape", "ptrarraytmawarpspecialized")
+# the split epilogue's SwiGLU-gradient pass after a plain down data gradient (bf16, or quantising its output in FP8)
+SWIGLU_GRAD_PASS_KEYS = ("_swiglu_grad_rows_kernel", "_swiglu_grad_rows_quantized_kernel")
 
 FAMILIES = (
-    # with the split epilogue's SwiGLU-gradient pass, down dgrad's other half, where the data gradients run in bf16
-    # (an FP8 backward's follows its FP8 data gradient where the pass does not quantise: `fp8_ffn`)
+    # each with the split epilogue's SwiGLU-gradient pass (down dgrad's other half) where its data gradients run
     KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm")
-                 + LIBRARY_GROUPED_GEMM_KEYS, _row_gemms(fp8=False), bf16_run_keys=("_swiglu_grad_rows_kernel",)),
-    KernelFamily("expert row GEMMs (FP8)", ("fp8_rows_gemm",), _row_gemms(fp8=True), fp8=True),
+                 + LIBRARY_GROUPED_GEMM_KEYS, _row_gemms(fp8=False), bf16_backward_keys=SWIGLU_GRAD_PASS_KEYS),
+    KernelFamily("expert row GEMMs (FP8)", ("fp8_rows_gemm",), _row_gemms(fp8=True), fp8=True,
+                 fp8_backward_keys=SWIGLU_GRAD_PASS_KEYS),
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad", "_gluon_weight_grad"), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
     # (not `_quantize_rows_and_token_groups`, the one-pass quantiser no step runs)
@@ -189,9 +193,9 @@ def kernel_bounds(cfg: TrainConfig, m: ModelConfig, kernel_ms: dict[str, float])
     one binds, the work (TFLOP, GB) and measured / bound; a family this run does not run, or a run
     without a hardware preset, gets its reason in `note` and no figures."""
     rows = []
+    bf16_data_grads = cfg.expert_backward_precision in (None, "bf16")  # bf16 experts, or FP8 ones' bf16 backward
     for family in FAMILIES:
-        bf16_data_grads = cfg.expert_backward_precision in (None, "bf16")  # bf16 experts, or FP8 ones' bf16 backward
-        keys = family.keys + (family.bf16_run_keys if bf16_data_grads else ())
+        keys = family.keys + (family.bf16_backward_keys if bf16_data_grads else family.fp8_backward_keys)
         measured = sum(ms for name, ms in kernel_ms.items() if any(k in name.lower() for k in keys))
         work = family.work(cfg, m)
         row: dict = {"family": family.name, "ms_per_step": measured}

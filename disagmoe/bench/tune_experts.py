@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -402,8 +403,16 @@ def write_tuned(record: dict, out: Path | None) -> Path:
         table["entries"][key] = result["config"]
         table["measured"][key] = {k: v for k, v in result.items() if k != "config"}
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")  # whole or not at all: an interrupted write leaves the table
-    partial.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    os.replace(partial, path)
+    # whole or not at all: a file of this write's own beside the table, moved over it (an interrupted write leaves
+    # the table as it was; two tuners never share the file)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        os.chmod(partial, 0o644)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
     clear_cache()  # this process's later launches read the table just written
     return path

@@ -97,6 +97,21 @@ def test_every_role_launches_and_computes_the_same_function_under_another_tile(i
             assert torch.equal(atomic, twice), role
 
 
+def test_micro_batches_auto_then_resolves_the_pairing_as_the_trainer_does(monkeypatch):
+    """On a GPU, after `micro_batches: auto` chose its split (settling pairs only for the splits it weighed),
+    `shape_of_run` resolves `expert_wgrad_pairs` on the chosen one as the trainer does: where memory turns them
+    off, the shape is not paired."""
+    from disagmoe.runtime.training import micro_batches, single_memory, trainer
+
+    monkeypatch.setattr(trainer, "resolve_single_micro_batches",
+                        lambda cfg, model_cfg, device: (cfg.model_copy(update={"micro_batches": 2}), None))
+    monkeypatch.setattr(micro_batches, "device_capacity_bytes", lambda device: 80 * 2**30)
+    monkeypatch.setattr(single_memory, "resolve_wgrad_pairs",
+                        lambda cfg, model_cfg, capacity: (cfg.model_copy(update={"expert_wgrad_pairs": "off"}), None))
+    shape = bench.shape_of_run(load_train_config(QWEN3), torch.device("cuda"))
+    assert shape.pairs == 8 * 4096 * 8 and not shape.paired_wgrads
+
+
 def test_a_paired_shapes_weight_gradients_launch_with_a_second_row_set(monkeypatch):
     """A paired shape's weight-gradient launches (what the tuner times) pass `ragged_weight_grad` a second
     micro-batch's rows (`second`: rows of their own, the same expert groups); an unpaired shape's pass none."""
@@ -211,6 +226,23 @@ def test_each_class_is_saved_as_soon_as_it_is_tuned(monkeypatch, tmp_path):
     assert TileConfig(**next(iter(saved["entries"].values()))) == best and saved["architecture"] == "sm_90x132"
 
 
+def test_a_failed_table_write_leaves_the_table_as_it_was(tmp_path, monkeypatch):
+    """The table is written to a file of the write's own and moved over it: a write that fails part-way (a full
+    disk, ^C) leaves the old table whole and no stray file beside it."""
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"entries": {"down/k1/n1/m1": {"block_m": 64}}, "measured": {}}))
+    before = path.read_text()
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner.os, "replace", interrupted)
+    record = {"environment": {"gpu": "NVIDIA H200"}, "results": {}}
+    with pytest.raises(KeyboardInterrupt):
+        tuner.write_tuned(record, path)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["gpu.json"]
+
+
 def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps({"entries": {"down/k1/n1/m1": {"block_m": 64}}, "measured": {}}))
@@ -219,7 +251,7 @@ def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):
               "results": {"gate_up/k2048/n768/m2048": {"config": best.to_json(), "ms": 1.0, "tflops": 600.0,
                                                        "heuristic_ms": 1.2, "shape": "qwen3"}}}
     assert tuner.write_tuned(record, path) == path
-    assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]  # written whole, then moved over the table
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]  # its own file written whole, then moved over
     table = json.loads(path.read_text())
     assert table["entries"]["down/k1/n1/m1"] == {"block_m": 64}  # kept
     assert TileConfig(**table["entries"]["gate_up/k2048/n768/m2048"]) == best
