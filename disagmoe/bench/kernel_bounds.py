@@ -34,10 +34,9 @@ class KernelFamily:
     # the work one step asks of it, or (a str) why this run prices none: its kernels are others
     work: Callable[[TrainConfig, ModelConfig], Work | str]
     fp8: bool = False  # its GEMMs run in e4m3: the compute ceiling is the bf16 one times fp8_tflops / bf16_tflops
-    # kernels counted only where the experts' data gradients run in bf16, or only where they run in FP8 (the split
-    # epilogue's SwiGLU-gradient pass follows either precision's data gradient)
-    bf16_backward_keys: tuple[str, ...] = ()
-    fp8_backward_keys: tuple[str, ...] = ()
+    # kernels counted only where the experts' data gradients run in this family's precision (the split epilogue's
+    # SwiGLU-gradient pass follows either precision's data gradient)
+    data_grad_keys: tuple[str, ...] = ()
 
 
 def _micro_batch_rows(cfg: TrainConfig, m: ModelConfig) -> tuple[int, int]:
@@ -166,9 +165,9 @@ SWIGLU_GRAD_PASS_KEYS = ("_swiglu_grad_rows_kernel", "_swiglu_grad_rows_quantize
 FAMILIES = (
     # each with the split epilogue's SwiGLU-gradient pass (down dgrad's other half) where its data gradients run
     KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm")
-                 + LIBRARY_GROUPED_GEMM_KEYS, _row_gemms(fp8=False), bf16_backward_keys=SWIGLU_GRAD_PASS_KEYS),
+                 + LIBRARY_GROUPED_GEMM_KEYS, _row_gemms(fp8=False), data_grad_keys=SWIGLU_GRAD_PASS_KEYS),
     KernelFamily("expert row GEMMs (FP8)", ("fp8_rows_gemm",), _row_gemms(fp8=True), fp8=True,
-                 fp8_backward_keys=SWIGLU_GRAD_PASS_KEYS),
+                 data_grad_keys=SWIGLU_GRAD_PASS_KEYS),
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad", "_gluon_weight_grad"), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
     # (not `_quantize_rows_and_token_groups`, the one-pass quantiser no step runs)
@@ -193,9 +192,9 @@ def kernel_bounds(cfg: TrainConfig, m: ModelConfig, kernel_ms: dict[str, float])
     one binds, the work (TFLOP, GB) and measured / bound; a family this run does not run, or a run
     without a hardware preset, gets its reason in `note` and no figures."""
     rows = []
-    bf16_data_grads = cfg.expert_backward_precision in (None, "bf16")  # bf16 experts, or FP8 ones' bf16 backward
+    fp8_data_grads = cfg.expert_backward_precision not in (None, "bf16")  # None: bf16 experts
     for family in FAMILIES:
-        keys = family.keys + (family.bf16_backward_keys if bf16_data_grads else family.fp8_backward_keys)
+        keys = family.keys + (family.data_grad_keys if family.fp8 == fp8_data_grads else ())
         measured = sum(ms for name, ms in kernel_ms.items() if any(k in name.lower() for k in keys))
         work = family.work(cfg, m)
         row: dict = {"family": family.name, "ms_per_step": measured}

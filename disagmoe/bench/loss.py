@@ -39,14 +39,15 @@ def _head_ms(h_NH: torch.Tensor, w_VH: torch.Tensor, t_N: torch.Tensor, fused: b
 
 def _softmax_ms(logits_CV: torch.Tensor, t_C: torch.Tensor, divisor: int, fused: bool, warmup: int,
                 iters: int) -> float:
-    """GPU ms of one chunk's softmax, loss and d logits (`model.loss`'s `_fused_chunk` or `_torch_chunk`) on a
-    copy of the chunk's logits (the fused pass writes its gradients over them: the kernel's work is the same
+    """GPU ms of one chunk's softmax, loss and d logits (`kernels.cross_entropy`: the fused kernel, or torch's ops)
+    on a copy of the chunk's logits (the fused pass writes its gradients over them: the kernel's work is the same
     whatever the values)."""
-    from disagmoe.model.loss import _fused_chunk, _torch_chunk
+    from disagmoe.kernels import cross_entropy as ce
 
-    softmax = _fused_chunk if fused else _torch_chunk
     logits = logits_CV.clone()
-    return kernel_ms(lambda _: softmax(logits, t_C, divisor, logits_CV.dtype), warmup, iters)
+    if fused:
+        return kernel_ms(lambda _: ce.softmax_cross_entropy_(logits, t_C, divisor), warmup, iters)
+    return kernel_ms(lambda _: ce.softmax_cross_entropy_torch_(logits, t_C, divisor, logits_CV.dtype), warmup, iters)
 
 
 def run(tokens: int, hidden: int, vocabs: list[int], warmup: int, iters: int,

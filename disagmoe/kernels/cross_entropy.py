@@ -76,19 +76,28 @@ def softmax_cross_entropy_(logits_CV: torch.Tensor, targets_C: torch.Tensor, div
         return loss_C
     block = block_v(vocab)
     _softmax_cross_entropy_kernel[(rows,)](logits_CV, targets_C, loss_C, vocab, logits_CV.stride(0),
-                                           targets_C.stride(0), float(divisor if divisor is not None else 1.0), BLOCK_V=block,
-                                           GRAD=divisor is not None, num_warps=8 if block >= 2048 else 4)
+                                           targets_C.stride(0), float(divisor if divisor is not None else 1.0),
+                                           BLOCK_V=block, GRAD=divisor is not None,
+                                           num_warps=8 if block >= 2048 else 4)
     return loss_C
 
 
-def softmax_cross_entropy_reference(logits_CV: torch.Tensor, targets_C: torch.Tensor,
-                                    divisor: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(fp32 loss_C, gradients in the logits' dtype or None): the kernel's arithmetic in torch, out of place."""
+def softmax_cross_entropy_torch_(logits_CV: torch.Tensor, targets_C: torch.Tensor, divisor: float | None,
+                                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 loss_C, the gradients in `dtype` or None without `divisor`): the kernel's arithmetic by torch's ops
+    (`model.loss` off the GPU), in place over an fp32 copy of the logits, over the logits themselves where they
+    are fp32."""
     logits = logits_CV.float()
     lse_C = torch.logsumexp(logits, dim=-1)
     loss_C = lse_C - logits.gather(1, targets_C.long()[:, None]).squeeze(1)
     if divisor is None:
         return loss_C, None
-    d_CV = (logits - lse_C[:, None]).exp()
+    d_CV = logits.sub_(lse_C[:, None]).exp_()  # softmax, in place
     d_CV.scatter_add_(1, targets_C.long()[:, None], torch.full_like(lse_C[:, None], -1.0))
-    return loss_C, (d_CV / divisor).to(logits_CV.dtype)
+    return loss_C, d_CV.div_(divisor).to(dtype)
+
+
+def softmax_cross_entropy_reference(logits_CV: torch.Tensor, targets_C: torch.Tensor,
+                                    divisor: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 loss_C, gradients in the logits' dtype or None): `softmax_cross_entropy_torch_` on a copy."""
+    return softmax_cross_entropy_torch_(logits_CV.clone(), targets_C, divisor, logits_CV.dtype)

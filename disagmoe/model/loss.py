@@ -22,6 +22,7 @@ import torch
 
 from disagmoe.kernels import cross_entropy as fused_ce
 
+
 class _Fused:
     """Whether a CUDA chunk's softmax runs in the fused kernel by default (`set_fused_loss`; default on)."""
 
@@ -52,15 +53,9 @@ def chunk_size(tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
 
 def _torch_chunk(logits_CV: torch.Tensor, t_C: torch.Tensor, divisor: int | None,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the chunk's summed loss, its d logits in `dtype` or None without `divisor`) by torch ops, in fp32."""
-    logits_CV = logits_CV.float()
-    lse_C = torch.logsumexp(logits_CV, dim=-1)
-    total = (lse_C - logits_CV.gather(1, t_C[:, None]).squeeze(1)).sum()
-    if divisor is None:
-        return total, None
-    d_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax, in place
-    d_CV.scatter_add_(1, t_C[:, None], torch.full_like(lse_C[:, None], -1.0))
-    return total, d_CV.div_(divisor).to(dtype)
+    """(the chunk's summed loss, its d logits in `dtype` or None without `divisor`) by torch's ops, in fp32."""
+    loss_C, d_CV = fused_ce.softmax_cross_entropy_torch_(logits_CV, t_C, divisor, dtype)
+    return loss_C.sum(), d_CV
 
 
 def _fused_chunk(logits_CV: torch.Tensor, t_C: torch.Tensor, divisor: int | None,
