@@ -611,6 +611,10 @@ class PlanConfig(StrictModel):
         "precision fp8 yet: runtime/rank_graphs.py) has its nvshmem receive rings priced rounded up to a step's messages, "
         "as the run allocates them; under on the plan is one of those layouts (train refuses the others); the plan's "
         "rank_steps_captured says which")
+    fused_loss: bool = Field(
+        True, description="the run's fused_loss (train with the same): the LM head's loss priced and its memory "
+        "counted as the fused kernel runs it (about 12 bytes of HBM traffic a logit, chunks of the logits in "
+        "their own dtype), else as torch's ops (about 50, beside an fp32 copy of each chunk)")
 
     expert_wgrad_pairs: Literal["auto", "on", "off"] = Field(
         "auto", description="the run's expert_wgrad_pairs (train with the same): with 2+ micro-batches (one GPU: a "
@@ -1062,8 +1066,9 @@ class TrainConfig(StrictModel):
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
     fused_loss: bool = Field(
         True, description="on CUDA, each chunk of the LM head's logits runs its softmax, loss and gradient as one "
-        "Triton pass (kernels/cross_entropy.py: 6 bytes of HBM traffic a bf16 logit); false: torch's five passes "
-        "over an fp32 copy (44 bytes), as CPU runs always do")
+        "Triton pass (kernels/cross_entropy.py: 6 bytes of HBM traffic a bf16 logit) and each chunk's weight "
+        "gradient is summed in fp32 by its GEMM; false: torch's five passes over an fp32 copy (44 bytes), as CPU "
+        "runs always do")
     cuda_graphs: Literal["auto", "off", "on"] = Field(
         "auto", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
@@ -1265,6 +1270,11 @@ class TrainConfig(StrictModel):
         return None
 
     @property
+    def runs_fused_loss(self) -> bool:
+        """Whether the LM head's loss runs fused (`model.loss`: on CUDA unless `fused_loss: false`)."""
+        return self.fused_loss and self.device == "cuda"
+
+    @property
     def pairs_expert_wgrads(self) -> bool:
         """Whether this run's expert weight gradients run over pairs of micro-batches: `expert_wgrad_pairs`
         auto or on, where it applies, with 2+ micro-batches (auto is resolved against the device's memory
@@ -1434,8 +1444,8 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
     dtype, the update kernel, the clip), its routed experts' precision (fp8, else bf16: the planner
     prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`) and their
     scaling (`dense_fp8_scaling`; the default where they run in bf16, where it prices nothing), its
-    recomputation (selective: its modules), its experts backend and `cuda_graphs` (its rank steps'
-    rings). Every request made for a run (`bench.placement.plan_request`,
+    recomputation (selective: its modules), its experts backend, `cuda_graphs` (its rank steps'
+    rings) and `fused_loss`. Every request made for a run (`bench.placement.plan_request`,
     `placement.trace_compare.run_request`) passes them; each decides the offload itself."""
     return {"shard_optimizer_states": cfg.optim.shard_states, "optimizer_state_dtype": cfg.optim.state_dtype,
             "optimizer_update_kernel": cfg.optim.update_kernel, "clip_gradients": cfg.optim.grad_clip > 0,
@@ -1445,7 +1455,7 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
             "fp8_expert_forward": cfg.fp8_expert_forward or RUN_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
-            "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs,
+            "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs, "fused_loss": cfg.fused_loss,
             "expert_wgrad_pairs": "off" if cfg.expert_wgrad_pairs_unavailable else cfg.expert_wgrad_pairs}
 
 

@@ -162,33 +162,43 @@ def _linear_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor) -> torch.Tensor
     return dy_NO.t().mm(x_NI)
 
 
-class _MainGradGemm:
+class _Fp32AccumulatorGemm:
     """Whether this torch's CUDA `addmm` takes an fp32 accumulator beside bf16 operands
     (`out_dtype=torch.float32`; torch >= 2.9's `addmm.dtype_out`): None until first asked."""
 
     supported: bool | None = None
 
 
-def add_weight_grad_into_main(w_OI: torch.Tensor | None, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> bool:
-    """d W = dy^T x added into W's fp32 main gradient (FlatAdamW's `main_grad`) by the GEMM itself:
-    cuBLAS with an fp32 C and beta = 1 (Megatron's gradient-accumulation fusion), where W is a bf16
-    or fp16 leaf parameter with a main gradient, on CUDA, outside a double backward. True if it did
-    (autograd then gets no gradient for W); False leaves the caller to return d W as autograd's
-    linear would. The product is added unrounded (fp32 sums of the bf16 products), where autograd's
-    path rounds it to bf16 before FlatAdamW's hook adds it: at most a bf16 rounding of d W apart,
-    and it saves that bf16 d W's write and read and the hook's mixed-dtype add (17 ms of the
-    DeepSeek config's eager step, 2026-12-04)."""
-    main = None if w_OI is None else main_grad_of(w_OI)
-    if (main is None or not dy_NO.is_cuda or torch.is_grad_enabled() or main.dtype != torch.float32
-            or w_OI.dtype not in (torch.bfloat16, torch.float16) or _MainGradGemm.supported is False):
+def add_product_into_fp32_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor) -> bool:
+    """acc += a @ b by one cuBLAS GEMM with an fp32 C and beta = 1, where `acc` is an fp32 CUDA tensor, `a` and
+    `b` bf16 or fp16, and this torch offers `addmm`'s `out_dtype`: the product is summed into `acc` unrounded,
+    with no product tensor written and read and no cast. True if it did; False (nothing done) leaves the
+    caller to form the product itself."""
+    if (not acc_MN.is_cuda or acc_MN.dtype != torch.float32 or a_MK.dtype not in (torch.bfloat16, torch.float16)
+            or _Fp32AccumulatorGemm.supported is False):
         return False
     try:
-        torch.addmm(main, dy_NO.t(), x_NI, out_dtype=torch.float32, out=main)
+        torch.addmm(acc_MN, a_MK, b_KN, out_dtype=torch.float32, out=acc_MN)
     except (RuntimeError, TypeError):  # an older torch: the arguments are refused before any launch
-        _MainGradGemm.supported = False
+        _Fp32AccumulatorGemm.supported = False
         return False
-    _MainGradGemm.supported = True
+    _Fp32AccumulatorGemm.supported = True
     return True
+
+
+def add_weight_grad_into_main(w_OI: torch.Tensor | None, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> bool:
+    """d W = dy^T x added into W's fp32 main gradient (FlatAdamW's `main_grad`) by the GEMM itself
+    (`add_product_into_fp32_`: Megatron's gradient-accumulation fusion), where W is a bf16 or fp16 leaf
+    parameter with a main gradient, on CUDA, outside a double backward. True if it did (autograd then
+    gets no gradient for W); False leaves the caller to return d W as autograd's linear would. The
+    product is added unrounded (fp32 sums of the bf16 products), where autograd's path rounds it to
+    bf16 before FlatAdamW's hook adds it: at most a bf16 rounding of d W apart, and it saves that bf16
+    d W's write and read and the hook's mixed-dtype add (17 ms of the DeepSeek config's eager step,
+    2026-12-04)."""
+    main = None if w_OI is None else main_grad_of(w_OI)
+    if main is None or torch.is_grad_enabled() or w_OI.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return add_product_into_fp32_(main, dy_NO.t(), x_NI)
 
 
 def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from disagmoe.kernels import cross_entropy as fused_ce
+from disagmoe.model.layers import add_product_into_fp32_
 
 
 class _Fused:
@@ -41,13 +42,14 @@ def _fused_default(h_NH: torch.Tensor) -> bool:
 
 
 DEFAULT_CHUNK_TOKENS = 4096
-LOGIT_BYTES_PER_CHUNK = 1 << 28  # fp32 logits of one chunk: the chunk shrinks for big vocabularies
+LOGIT_BYTES_PER_CHUNK = 1 << 28  # one chunk's logits as its softmax holds them: the chunk shrinks for big vocabularies
 
 
-def chunk_size(tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
-    """Tokens per chunk: `chunk_tokens`, else as many as keep one chunk's fp32 logits near 256 MiB."""
+def chunk_size(tokens: int, vocab: int, chunk_tokens: int | None = None, logit_bytes: int = 4) -> int:
+    """Tokens per chunk: `chunk_tokens`, else as many as keep one chunk's logits near 256 MiB at `logit_bytes`
+    bytes a logit (4: torch's ops hold an fp32 copy; the fused kernel works over the logits' own dtype)."""
     if chunk_tokens is None:
-        chunk_tokens = max(256, min(DEFAULT_CHUNK_TOKENS, LOGIT_BYTES_PER_CHUNK // (4 * vocab)))
+        chunk_tokens = max(256, min(DEFAULT_CHUNK_TOKENS, LOGIT_BYTES_PER_CHUNK // (logit_bytes * vocab)))
     return max(1, min(tokens, chunk_tokens))
 
 
@@ -68,7 +70,9 @@ def _fused_chunk(logits_CV: torch.Tensor, t_C: torch.Tensor, divisor: int | None
 def _chunked(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int, needs_h: bool,
              needs_w: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mean loss, d loss / d h or None, fp32 d loss / d w or None), one chunk of tokens at a time, each
-    chunk's softmax by `_fused_chunk` where `fused`, else `_torch_chunk`."""
+    chunk's softmax by `_fused_chunk` where `fused`, else `_torch_chunk`; where `fused`, each chunk's d w is
+    also summed into the fp32 d w by the GEMM itself (`layers.add_product_into_fp32_`: no product and no cast
+    of [V, H] a chunk, 8 bytes an element against 20), else formed, cast and added by torch's ops."""
     N = h_NH.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=h_NH.device)
     dh_NH = torch.empty_like(h_NH) if needs_h else None
@@ -81,7 +85,7 @@ def _chunked(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, ch
         if d_CV is not None:
             if needs_h:
                 dh_NH[start:start + chunk] = d_CV @ w_VH
-            if needs_w:
+            if needs_w and not (fused and add_product_into_fp32_(dw_VH, d_CV.T, h_CH)):
                 dw_VH += (d_CV.T @ h_CH).float()
     return total / N, dh_NH, dw_VH
 
@@ -104,7 +108,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if dw_VH is None:
             return dh, None, None, None, None
         if ctx.main_grad is not None:
-            ctx.main_grad.add_(dw_VH * grad_loss)
+            ctx.main_grad.addcmul_(dw_VH, grad_loss)  # no [V, H] temporary (`roofline.memory.head_bytes`)
             return dh, None, None, None, None
         return dh, (dw_VH * grad_loss).to(ctx.w_dtype), None, None, None
 
@@ -119,7 +123,7 @@ def linear_cross_entropy(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torc
     if h_NH.dim() != 2 or w_VH.dim() != 2 or h_NH.shape[1] != w_VH.shape[1] or targets_N.shape != h_NH.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants h [N, H], w [V, H], targets [N]; got "
                          f"{tuple(h_NH.shape)}, {tuple(w_VH.shape)}, {tuple(targets_N.shape)}")
-    chunk = chunk_size(h_NH.shape[0], w_VH.shape[0], chunk_tokens)
+    chunk = chunk_size(h_NH.shape[0], w_VH.shape[0], chunk_tokens, h_NH.element_size() if fused else 4)
     if not torch.is_grad_enabled() or not (h_NH.requires_grad or w_VH.requires_grad):
         with torch.no_grad():
             return _chunked(h_NH, w_VH, targets_N, chunk, False, False, fused)[0]

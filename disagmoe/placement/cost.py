@@ -283,6 +283,7 @@ class Problem:
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
     experts_backend: str = "triton"  # the run's expert FFN: loop, grouped_mm or triton (`rank_steps`)
     cuda_graphs: str = "auto"  # the run's cuda_graphs: auto, on or off (`rank_steps`)
+    fused_loss: bool = True  # the LM head's loss as the fused kernel runs it (`stages.lm_head`, `memory.head_bytes`)
     # expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`; `paired_micro_batches`: one GPU's
     # step, m x rounds, a distributed rank's round): half the main-gradient passes, and the rows waiting for the
     # next held (one GPU: one micro-batch's beside the next, `mem.paired_wgrad_held_bytes`; a distributed rank: as
@@ -374,7 +375,7 @@ def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray
 def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
                 dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None,
                 fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
-                waits: Num = 0.0, *, fused: Num) -> tuple[Num, Num]:
+                waits: Num = 0.0, *, fused: Num, fused_loss: bool = True) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
     terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
     pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
@@ -399,11 +400,13 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     rank's replay adds it (`placement.waiting_rows`; a colocated GPU's bytes above are the conservative one
     process's, so the replay's rise with the waits is added to them). `fused` (per candidate): the FP8
     backward's kernels write their e4m3 copies beside their work (`memory.fp8_expert_row_grad_bytes`' fused_copies:
-    one GPU, whose steps mostly do not count their numerics; a distributed rank counts every step)."""
+    one GPU, whose steps mostly do not count their numerics; a distributed rank counts every step). `fused_loss`:
+    the head's loss as the fused kernel runs it (`memory.head_bytes`, `Problem.fused_loss`)."""
     row_grad = _row_grad_bytes(m, dropped, fp8, fp8_backward, fused)
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
     if not colocated:
-        attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
+        attention = (attention_activations(m, tokens, in_flight, p, dropped, fused_loss=fused_loss) if attention is None
+                     else attention)
         return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward, waits, fused=fused)
     exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8)
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
@@ -411,7 +414,7 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
     grads = [tokens * mem.attention_grad_bytes(m, moe, BF16, dropped) + (pairs * row_grad if moe else 0)
              for moe in kinds]
-    head = mem.head_bytes(m, tokens, BF16)
+    head = mem.head_bytes(m, tokens, BF16, fused=fused_loss)
     rise = colocated_rank_rise(
         attn_kept + exp_kept, tokens * mem.attention_bytes(m, True, BF16, dropped),
         expert_kept_bytes(m, pairs, dropped, fp8), tokens * mem.attention_grad_bytes(m, True, BF16, dropped),
@@ -474,12 +477,12 @@ def paired_waits(m: ModelConfig, pairs: Num, paired: np.ndarray, groups: Num, fp
 
 
 def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray,
-                          dropped: frozenset[str] = mem.NOTHING_DROPPED) -> Num:
+                          dropped: frozenset[str] = mem.NOTHING_DROPPED, fused_loss: bool = True) -> Num:
     """A disaggregated attention GPU's activation peak (`activations`): the largest over the
     pipeline groups of what the group's layers keep plus what one of its ops holds. Of the
     recomputation only `attention` in `dropped` changes it. Per p, each group's bytes are a sum of
     terms fixed by p times `in_flight * tokens` (kept), `tokens` (a backward's gradients) or the
-    head's peak."""
+    head's peak (`fused_loss`: as the fused kernel runs it)."""
     p = np.asarray(p)
     ps = np.unique(p)
     top = int(ps.max())
@@ -492,7 +495,7 @@ def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.nda
             grads[q, g] = max(mem.attention_grad_bytes(m, True, BF16, dropped) if moe_g else 0,
                               mem.attention_grad_bytes(m, False, BF16, dropped) if dense_g else 0)
             heads[q, g] = m.num_layers % q == g
-    head = mem.head_bytes(m, tokens, BF16)
+    head = mem.head_bytes(m, tokens, BF16, fused=fused_loss)
     out = 0.0
     for g in range(top):  # groups beyond a candidate's p have no layers and no head: zero
         here = in_flight * tokens * kept[p, g] + np.maximum(tokens * grads[p, g], heads[p, g] * head)
@@ -747,7 +750,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                                  first_touch, shards)
 
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
-    head = st.lm_head(m, tokens) + st.embedding(m, tokens)
+    head = st.lm_head(m, tokens, prob.fused_loss) + st.embedding(m, tokens)
     # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
     # (one of the rounds x micro-batches launches a step makes per layer)
     # paired: ceil(span / 2) weight-gradient launches over the micro-batches a rank's pairs span
@@ -893,7 +896,7 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
         t_att = prob.ceilings.time(st.attention_recompute(m, tokens)) * (moe_l + dense_l)
         single = c.expert == 1  # one GPU: its steps write the fused e4m3 copies (`activations`' fused)
         act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8, fp8_backward=prob.fp8_backward,
-                                waits=waits, fused=single)[0]) for d in variants]
+                                waits=waits, fused=single, fused_loss=prob.fused_loss)[0]) for d in variants]
         fit = [attn_state + a <= cap for a in act]
         price = [np.where(f, t_sel * bool(d & mem.SELECTIVE) + t_att * ("attention" in d), np.inf)
                  for f, d in zip(fit, variants, strict=True)]
@@ -912,14 +915,15 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
                                         fused=False))
                 if experts_may else exp_plain)
     exp_fit_plain, exp_fit_lean = exp_state + exp_plain <= cap, exp_state + exp_lean <= cap
-    attn_plain = full(attention_activations(m, tokens, in_flight, c.p))
+    attn_plain = full(attention_activations(m, tokens, in_flight, c.p, fused_loss=prob.fused_loss))
     attn_fit_plain = attn_state + attn_plain <= cap
     attn_lean = attn_plain.copy()
     if attention_may:
         # auto: only where the attention GPU overflows without it and the expert GPU can fit at all
         idx = np.arange(n) if fixed else np.flatnonzero(~attn_fit_plain & exp_fit_lean)
         if len(idx):
-            attn_lean[idx] = attention_activations(m, tokens[idx], in_flight[idx], c.p[idx], ATTENTION)
+            attn_lean[idx] = attention_activations(m, tokens[idx], in_flight[idx], c.p[idx], ATTENTION,
+                                                   fused_loss=prob.fused_loss)
     attn_fit_lean = attn_state + attn_lean <= cap
     if fixed:
         selective, attention = np.full(n, bool(experts_may)), np.full(n, attention_may)
@@ -1010,12 +1014,14 @@ def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Nu
     none = np.zeros(n, dtype=bool)
     if c.colocated:  # a rank recomputes its attention half and its experts' share apart; one GPU, whole blocks
         # (FP8 experts refuse `recompute: full`: no e4m3 copies here)
-        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL, waits=waits, fused=False)[0]
-        act = np.broadcast_to(np.where(c.expert == 1, _one_process_full(m, tokens), ranks).astype(float), (n,)).copy()
+        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL, waits=waits, fused=False,
+                            fused_loss=prob.fused_loss)[0]
+        act = np.broadcast_to(np.where(c.expert == 1, _one_process_full(m, tokens, prob.fused_loss), ranks).astype(float),
+                              (n,)).copy()
         fits = attn_state + act <= cap
         return none, none, act, 0.0 * act, fits, attn_state + act, fits
-    act_attn = np.broadcast_to(np.asarray(attention_activations(m, tokens, in_flight, c.p, mem.FULL), dtype=float),
-                               (n,)).copy()
+    act_attn = np.broadcast_to(np.asarray(attention_activations(m, tokens, in_flight, c.p, mem.FULL,
+                                                                fused_loss=prob.fused_loss), dtype=float), (n,)).copy()
     act_exp = np.broadcast_to(np.asarray(expert_activations(m, pairs, in_flight, c.p, mem.FULL, waits=waits,
                                                             fused=False),
                                          dtype=float), (n,)).copy()
@@ -1023,14 +1029,14 @@ def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Nu
     return none, none, act_attn, act_exp, fits, exp_state + act_exp, fits
 
 
-def _one_process_full(m: ModelConfig, tokens: Num) -> Num:
+def _one_process_full(m: ModelConfig, tokens: Num, fused_loss: bool = True) -> Num:
     """`memory.activation_bytes` under `recompute: full` for `tokens` (numbers or arrays): one
     GPU (mode single) recomputes whole blocks, each keeping its input and routing."""
     kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
     kept = tokens * (m.num_moe_layers * mem.layer_bytes(m, True, BF16, mem.FULL)
                      + m.num_dense_layers * mem.layer_bytes(m, False, BF16, mem.FULL))
     held = tokens * max(mem.layer_grad_bytes(m, moe, BF16, mem.FULL) for moe in kinds)
-    return kept + np.maximum(mem.head_bytes(m, tokens, BF16), held)
+    return kept + np.maximum(mem.head_bytes(m, tokens, BF16, fused=fused_loss), held)
 
 
 FULL_RECOMPUTED = " (recomputed)"  # the suffix of a stage `full_recompute_stages` adds

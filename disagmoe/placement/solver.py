@@ -90,7 +90,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         fp8_backward=cfg.fp8_expert_backward,
         fp8_forward=cfg.fp8_expert_forward,
         first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
-        experts_backend=cfg.experts_backend, cuda_graphs=cfg.cuda_graphs,
+        experts_backend=cfg.experts_backend, cuda_graphs=cfg.cuda_graphs, fused_loss=cfg.fused_loss,
         # every recipe pairs, the all-FP8 backward its token-group copies (`kernels.wgrad_pairs`), counted as the
         # bf16 rows they replace, as the runtime's memory check counts them
         wgrad_pairs=cfg.expert_wgrad_pairs != "off" and cfg.experts_backend == "triton",

@@ -4,8 +4,8 @@
     combine_bytes(m, value_bytes)             the K expert-output rows a token's weighted combine keeps
     expert_row_bytes(m, value_bytes)          one (token, expert) row of the routed experts
     attention_grad_bytes, expert_row_grad_bytes   the gradients one layer's backward holds
-    head_bytes(m, tokens, value_bytes, chunked)   final norm, LM head and loss at their peak
-    activation_bytes(m, tokens, value_bytes, chunked)   one process's peak over one micro-batch
+    head_bytes(m, tokens, value_bytes, chunked, fused)   final norm, LM head and loss at their peak
+    activation_bytes(m, tokens, value_bytes, chunked, ...)   one process's peak over one micro-batch
     fp8_emulate_transient_bytes(m, rows, value_bytes, forward)   `fp8_emulate`'s dequantised operands
 
 `value_bytes` is the activations' dtype (2: bf16, 4: fp32); reductions keep fp32 where the model
@@ -36,11 +36,7 @@ import numpy as np
 
 from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD, FP8_EXPERT_BACKWARDS, ModelConfig,
                               fp8_weight_copies)
-from disagmoe.roofline.stages import EXPERT_RECOMPUTE_MODULES, FP32, Num, attention_io_per_token
-
-# `model/loss.py`'s chunk rule (roofline imports no torch; a test pins the two together)
-DEFAULT_CHUNK_TOKENS = 4096
-LOGIT_BYTES_PER_CHUNK = 1 << 28
+from disagmoe.roofline.stages import EXPERT_RECOMPUTE_MODULES, FP32, Num, attention_io_per_token, loss_chunk_tokens
 
 
 FP8_VALUE_BYTES = 1 + FP32 / 128  # an e4m3 value with its share of its 1 x 128 (or 128 x 1) group's fp32 scale
@@ -99,15 +95,6 @@ def fp8_emulate_transient_bytes(m: ModelConfig, rows: int, value_bytes: int, for
     return max((value_bytes * (rows * k + experts * k * n)
                 + EMULATE_PIECE_FP32_TENSORS * FP32 * min(EMULATE_PIECE_VALUES, max(rows * k, experts * k * n)))
                for name, (k, n) in gemms.items() if forward in (name, "both"))
-
-
-def loss_chunk_tokens(tokens: Num, vocab: int) -> Num:
-    """Tokens per chunk of the chunked LM-head loss (`model.loss.chunk_size` with its default);
-    `tokens` may be a numpy array (the planner's candidates)."""
-    chunk = max(256, min(DEFAULT_CHUNK_TOKENS, LOGIT_BYTES_PER_CHUNK // (FP32 * vocab)))
-    if isinstance(tokens, np.ndarray):
-        return np.maximum(1, np.minimum(tokens, chunk))
-    return max(1, min(tokens, chunk))
 
 
 def attention_values(m: ModelConfig, moe: bool) -> int:
@@ -352,22 +339,39 @@ def paired_first_held_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset
     return int(max(0, paired - fp8_expert_row_grad_bytes(m, value_bytes, input_dropped, fp8_backward, fused_copies)))
 
 
-def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True) -> Num:
+def _larger(a: Num, b: Num) -> Num:
+    """max of two byte counts, elementwise where either is a numpy array (the planner's candidates)."""
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
+
+
+def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True, fused: bool = False) -> Num:
     """Bytes the final norm, LM head and loss of `tokens` tokens hold at their peak.
 
-    Chunked (`model.loss.linear_cross_entropy`: every fast path) the logits never exist whole:
-    it keeps d h [N, H] and an fp32 d W [V, H] for the backward, and one chunk's fp32 logits (with
-    their compute-dtype copy) and one chunk's d W product (with its fp32 cast) are alive at once.
+    Chunked (`model.loss.linear_cross_entropy`: every fast path) the logits never exist whole: the
+    forward keeps d h [N, H] and an fp32 d W [V, H] for the backward and holds one chunk's logits at
+    a time; the backward holds d h scaled by the incoming gradient beside them (d W is added into the
+    main gradient in place). By torch's ops (`fused` False: the CPU, `fused_loss: false`) a chunk's
+    logits sit beside their fp32 copy and then the gradients cast back, and each chunk's d W product
+    beside its fp32 cast and the chunk's gradients; fused (a GPU
+    run's default) the softmax works over the logits themselves, chunks hold twice the tokens at half
+    the bytes a logit (`loss_chunk_tokens`), and each chunk's d W is summed into the fp32 one by the
+    GEMM (torch >= 2.9's `addmm` with `out_dtype`; an older torch forms the product, not counted here).
     Unchunked (the fp32 oracle's `F.cross_entropy`): the logits and log-probabilities [N, V] are
     kept, and their gradient joins them in the backward."""
     H, V = m.hidden_size, m.vocab_size
     norm_in = tokens * value_bytes * H
     if not chunked:
         return norm_in + tokens * 3 * FP32 * V
-    cast = value_bytes if value_bytes < FP32 else 0  # a .float() of an fp32 tensor is itself
-    chunk = loss_chunk_tokens(tokens, V)
-    return (norm_in + tokens * value_bytes * H + FP32 * V * H
-            + chunk * V * (FP32 + cast) + V * H * (FP32 + cast))
+    kept = norm_in + tokens * value_bytes * H + FP32 * V * H
+    scaled_dh = tokens * value_bytes * H
+    if fused:
+        return kept + _larger(loss_chunk_tokens(tokens, V, value_bytes) * V * value_bytes, scaled_dh)
+    logits = loss_chunk_tokens(tokens, V) * V
+    if value_bytes >= FP32:  # a .float() or .to(fp32) of an fp32 tensor is itself
+        softmax, wgrad = logits * FP32, logits * FP32 + V * H * FP32
+    else:  # the logits, their fp32 copy and the gradients cast back; the gradients, d W's product and its cast
+        softmax, wgrad = logits * (2 * value_bytes + FP32), logits * value_bytes + V * H * (value_bytes + FP32)
+    return kept + _larger(_larger(softmax, wgrad), scaled_dh)
 
 
 # The share of a device a setting chosen for speed may plan for (`micro_batches: auto`, `expert_wgrad_pairs:
@@ -443,7 +447,7 @@ def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: froze
 def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True,
                      dropped: frozenset[str] = NOTHING_DROPPED, fp8: bool = False,
                      fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, forward_transient: int = 0,
-                     fused_copies: bool = True) -> int:
+                     fused_copies: bool = True, fused_loss: bool = False) -> int:
     """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
     gradient accumulation runs each micro-batch's backward before the next forward): every
     layer's activations, plus the largest of the head's peak, one layer's backward (under
@@ -452,11 +456,12 @@ def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: boo
     layer's forward holds for its span only (e.g. `fp8_emulate_transient_bytes`), counted as if every
     layer's activations were kept by then. `fp8`: the experts in FP8, their backward recipe
     `fp8_backward`, `fused_copies` whether its kernels write e4m3 copies beside their work
-    (`fp8_expert_row_grad_bytes`: a step that does not count its numerics)."""
+    (`fp8_expert_row_grad_bytes`: a step that does not count its numerics); `fused_loss` the head's loss as
+    the fused kernel runs it (`head_bytes`)."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
     kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped, fp8)
                      + dense_layers * layer_bytes(m, False, value_bytes, dropped, fp8))
     grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped, fp8, fp8_backward, fused_copies) for moe in
                          ([True] if moe_layers else []) + ([False] if dense_layers else []))
-    return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads, forward_transient)
+    return kept + max(head_bytes(m, tokens, value_bytes, chunked, fused_loss), grads, forward_transient)

@@ -366,11 +366,43 @@ def permute_rows(m: ModelConfig, rows: Num) -> Work:
     return Work(hbm_bytes=2.0 * BF16 * rows * m.hidden_size)
 
 
-def lm_head(m: ModelConfig, tokens: Num) -> Work:
-    """Final norm, vocabulary projection and cross-entropy (fp32 logits)."""
-    w = m.vocab_size * m.hidden_size
-    return Work(flops=2.0 * tokens * w,
-                hbm_bytes=BF16 * (w + tokens * m.hidden_size) + 2 * FP32 * tokens * m.vocab_size)
+# `model/loss.py`'s chunk rule (roofline imports no torch; tests/roofline/test_memory.py pins the two together)
+DEFAULT_CHUNK_TOKENS = 4096
+LOGIT_BYTES_PER_CHUNK = 1 << 28
+
+
+def loss_chunk_tokens(tokens: Num, vocab: int, logit_bytes: int = FP32) -> Num:
+    """Tokens per chunk of the chunked LM-head loss (`model.loss.chunk_size` with its default) whose softmax
+    holds `logit_bytes` a logit (torch's ops an fp32 copy; the fused kernel the logits' own dtype);
+    `tokens` may be a numpy array (the planner's candidates)."""
+    chunk = max(256, min(DEFAULT_CHUNK_TOKENS, LOGIT_BYTES_PER_CHUNK // (logit_bytes * vocab)))
+    if isinstance(tokens, np.ndarray):
+        return np.maximum(1, np.minimum(tokens, chunk))
+    return max(1, min(tokens, chunk))
+
+
+# HBM bytes of the chunked loss (`model.loss`), fused (`kernels.cross_entropy`, each chunk's d W summed by its GEMM
+# in fp32) and by torch's ops: per bf16 logit, its GEMM's write, the softmax's passes (fused: read twice, written
+# once over the logits; torch: an fp32 copy, log-sum-exp, subtract-exp, divide, cast back: 44) and the d h and
+# d W GEMMs' reads; per element of d W [V, H] a chunk, the fp32 accumulator's read and write (torch: the bf16
+# product written and read, its fp32 cast written, and the add's two reads and a write).
+LOSS_LOGIT_BYTES = {True: 2 + 6 + 4, False: 2 + 44 + 4}
+LOSS_WGRAD_BYTES = {True: 2 * FP32, False: 2 * BF16 + FP32 + 3 * FP32}
+
+
+def lm_head(m: ModelConfig, tokens: Num, fused: bool = True) -> Work:
+    """Final norm, vocabulary projection and cross-entropy as `model.loss` runs it, the forward's share: the
+    loss computes its gradients in the forward, a chunk of tokens at a time, and `Work.backward` doubles this,
+    so the forward holds the logits GEMM's FLOPs and a third of the bytes. Per chunk its GEMMs read the head's
+    weight twice and the d W sum passes over [V, H] (`LOSS_WGRAD_BYTES`); per logit `LOSS_LOGIT_BYTES`; per
+    token the hidden state read and d h written. `fused`: the fused kernel's chunks (twice the tokens at
+    large vocabularies, `loss_chunk_tokens`), else torch's ops (`fused_loss: false`)."""
+    V, H = m.vocab_size, m.hidden_size
+    w = V * H
+    chunks = np.ceil(tokens / loss_chunk_tokens(tokens, V, BF16 if fused else FP32))
+    total = (LOSS_LOGIT_BYTES[fused] * tokens * V + chunks * (2 * BF16 + LOSS_WGRAD_BYTES[fused]) * w
+             + 3 * BF16 * tokens * H)
+    return Work(flops=2.0 * tokens * w, hbm_bytes=total / 3.0)
 
 
 def embedding(m: ModelConfig, tokens: Num) -> Work:

@@ -167,7 +167,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             if isinstance(op, ExpertForward):  # `fp8_emulate`: the layer's dequantised operands, for its span
                 return emulate_transient(cfg, m, received(op.layer) * m.top_k, len(local[op.layer]))
             if isinstance(op, Loss):
-                return mem.head_bytes(m, tokens, vb) + staged(topology.num_layers - 1, dy)
+                return mem.head_bytes(m, tokens, vb, fused=cfg.runs_fused_loss) + staged(topology.num_layers - 1, dy)
             if isinstance(op, ExpertBackward):
                 return received(op.layer) * m.top_k * row_grad
             if isinstance(op, AttentionBackward):
@@ -213,7 +213,7 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     return waiting + mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
                                 dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8",
                                 fp8_backward=fp8_backward_of(cfg), forward_transient=transient,
-                                fused_copies=cfg.counters_every > 1)
+                                fused_copies=cfg.counters_every > 1, fused_loss=cfg.runs_fused_loss)
 
 
 def emulate_transient(cfg: TrainConfig, model_cfg: ModelConfig, rows: int, experts: int | None = None) -> int:

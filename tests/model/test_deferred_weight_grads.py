@@ -199,14 +199,14 @@ def test_cuda_bf16_projection_gradients_go_into_the_main_gradients_by_the_gemm(m
         optimizer = FlatAdamW(block.named_parameters(), OptimConfig(), torch.bfloat16)
         optimizer.zero_grad()
         if not fused_path:
-            layers._MainGradGemm.supported = False  # autograd's path: bf16 d W, the hook's add
+            layers._Fp32AccumulatorGemm.supported = False  # autograd's path: bf16 d W, the hook's add
         try:
             for mb in range(2):
                 x_BSH, dy_BSH = inputs(block, torch.bfloat16, seed=20 + mb)
                 for item in backward(block, x_BSH.to(cuda).detach().requires_grad_(), dy_BSH.to(cuda), defer):
                     item()
         finally:
-            layers._MainGradGemm.supported = None
+            layers._Fp32AccumulatorGemm.supported = None
         torch.cuda.synchronize()
         main[fused_path] = {name: p.main_grad.clone() for name, p in block.named_parameters()}
         if fused_path:

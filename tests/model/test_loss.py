@@ -34,6 +34,8 @@ def test_no_grad_forward_and_bad_shapes() -> None:
 
 def test_chunk_keeps_big_vocabularies_near_256_mib_of_logits() -> None:
     assert chunk_size(8192, 151_936) * 151_936 * 4 <= 1 << 28
+    assert chunk_size(8192, 151_936, None, 2) * 151_936 * 2 <= 1 << 28  # the fused kernel's bf16 logits
+    assert chunk_size(8192, 151_936, None, 2) > 1.9 * chunk_size(8192, 151_936)
     assert chunk_size(8192, 4096) == 4096 and chunk_size(100, 4096) == 100
 
 
@@ -53,6 +55,34 @@ def test_gpu_peak_memory_of_a_qwen3_vocabulary_stays_bounded() -> None:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 4 * 2**30, f"the loss took {extra / 2**30:.1f} GiB beyond its inputs"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-ops"])
+def test_gpu_the_heads_peak_is_what_the_memory_model_counts(fused: bool) -> None:
+    """Qwen3-30B's head over 8k tokens into FlatAdamW's fp32 main gradient, as a training step runs it: the
+    memory beyond its inputs at the peak is `roofline.memory.head_bytes` less the final norm's input (no norm
+    here), within the allocator's rounding and cuBLAS's workspace."""
+    from disagmoe.model_ref import load_model
+    from disagmoe.roofline import memory as mem
+
+    m = load_model("qwen3-30b-a3b")
+    device, tokens = torch.device("cuda"), 8192
+    h = torch.randn(tokens, m.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(m.vocab_size, m.hidden_size, device=device, dtype=torch.bfloat16) * 0.02)
+    w.main_grad = torch.zeros(w.shape, device=device)
+    t = torch.randint(0, m.vocab_size, (tokens,), device=device)
+    linear_cross_entropy(h, w, t, fused=fused).backward()  # warm-up: cuBLAS's workspace, the kernel's compile
+    h.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    linear_cross_entropy(h, w, t, fused=fused).backward()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    counted = mem.head_bytes(m, tokens, 2, fused=fused) - tokens * 2 * m.hidden_size
+    assert counted - 2**26 <= measured <= counted + 2**26, (measured / 2**20, counted / 2**20)
 
 
 def test_the_head_gradient_goes_into_an_fp32_main_gradient_where_there_is_one() -> None:

@@ -166,6 +166,28 @@ def test_stages_repeat_over_the_layers_they_run_in():
     assert cost.stages["optimizer (attention)"].repeats(m, 4, 10) == 1
 
 
+def test_the_head_is_priced_as_the_run_computes_its_loss():
+    """`fused_loss` (a run's, through `priced_as_trained`): the fused kernel's head moves about a quarter of the
+    bytes of torch's ops on Qwen3-30B's vocabulary (12 a logit against 50, no [V, H] product a chunk), at the
+    same FLOPs, and its memory holds less."""
+    from disagmoe.config import TrainConfig, priced_as_trained
+
+    m = load_model("qwen3-30b-a3b")
+    run = TrainConfig(model=m, device="cuda", fused_loss=False, out_dir="unused")
+    assert priced_as_trained(run)["fused_loss"] is False
+    assert priced_as_trained(run.model_copy(update={"fused_loss": True}))["fused_loss"] is True
+    costs = {}
+    for fused in (True, False):
+        req = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8), seq_len=4096,
+                         global_batch_tokens=4096 * 64, fused_loss=fused)
+        assert problem_of(req).fused_loss is fused
+        costs[fused] = evaluate(problem_of(req), Candidates.one(4, 4, 1, 4, 2))
+    head = {f: c.stages["lm head + embedding"] for f, c in costs.items()}
+    assert _first(head[True].fwd.flops) == _first(head[False].fwd.flops)
+    assert 0.2 < _first(head[True].fwd.hbm_bytes) / _first(head[False].fwd.hbm_bytes) < 0.3
+    assert _first(costs[True].attn_act_bytes) < _first(costs[False].attn_act_bytes)
+
+
 def test_attention_stages_fit_inside_the_step():
     plan = solve(PlanConfig(model=load_model("qwen3-235b-a22b"),
                             cluster=ClusterConfig(hardware=load_hardware("gb200-nvl72"), num_gpus=72), seq_len=4096))
@@ -411,7 +433,8 @@ def test_the_planners_activations_are_roofline_memorys(name, recompute):
     prob = problem_of(req)
     dropped = {"none": mem.NOTHING_DROPPED, "selective": mem.SELECTIVE, "full": mem.FULL}[recompute]
     one = evaluate(prob, Candidates.one(0, 1, 1, 4, 2, colocated=True))
-    assert one.attn_act_bytes[0] + one.expert_act_bytes[0] == mem.activation_bytes(model, 2 * 512, 2, dropped=dropped)
+    assert one.attn_act_bytes[0] + one.expert_act_bytes[0] == mem.activation_bytes(model, 2 * 512, 2, dropped=dropped,
+                                                                                    fused_loss=True)
     rows = 2 * 2 * 512 * model.top_k  # every pair of both attention GPUs, on each expert GPU however many
     row = mem.expert_row_bytes(model, 2, dropped) + mem.combine_bytes(model, 2, dropped) // model.top_k
     received = 2 * 2 * 512 * mem.expert_token_bytes(model, 2, dropped)  # full: every source token's row and sum
@@ -631,7 +654,7 @@ def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_
     freed = (none.attn_mem_bytes - sel.attn_mem_bytes) if colocated else (none.expert_mem_bytes - sel.expert_mem_bytes)
     recomputed = pairs * 2 * (H + F)  # the backward's regathered row and SwiGLU output
     if colocated:  # the layer backward is the held transient here only if it beats the head
-        held_none, held_sel = (max(mem.head_bytes(model, 2048, 2), 2048 * mem.attention_grad_bytes(model, True, 2)
+        held_none, held_sel = (max(mem.head_bytes(model, 2048, 2, fused=True), 2048 * mem.attention_grad_bytes(model, True, 2)
                                    + pairs * mem.expert_row_grad_bytes(model, 2, d))
                                for d in (mem.NOTHING_DROPPED, mem.SELECTIVE))
         recomputed = held_sel - held_none

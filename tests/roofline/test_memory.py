@@ -15,9 +15,26 @@ from disagmoe.roofline.stages import attention_io_per_token
 from tests.kernels.test_fp8_ffn import SMALL
 
 
+@pytest.mark.parametrize("logit_bytes", [4, 2], ids=["torch-fp32-copy", "fused-bf16"])
 @pytest.mark.parametrize("tokens, vocab", [(8192, 4096), (8192, 151_936), (100, 151_936), (3, 32), (65_536, 129_280)])
-def test_the_head_chunk_rule_is_the_losss(tokens, vocab):
-    assert mem.loss_chunk_tokens(tokens, vocab) == chunk_size(tokens, vocab)
+def test_the_head_chunk_rule_is_the_losss(tokens, vocab, logit_bytes):
+    assert mem.loss_chunk_tokens(tokens, vocab, logit_bytes) == chunk_size(tokens, vocab, None, logit_bytes)
+
+
+def test_the_fused_head_holds_its_chunks_logits_once_and_no_product_of_d_w():
+    """Fused (a GPU run's default) a chunk's logits are held once, in bf16, at twice the tokens a chunk of
+    Qwen3-30B's vocabulary, and no [V, H] product a chunk: 1.5 GiB less than torch's ops at 8k tokens; where
+    the vocabulary is small the backward's scaled d h is the larger transient."""
+    m = load_model("qwen3-30b-a3b")
+    tokens, H, V = 8192, m.hidden_size, m.vocab_size
+    kept = 2 * tokens * 2 * H + 4 * V * H  # norm input, d h, fp32 d W
+    fused, torch_ops = mem.head_bytes(m, tokens, 2, fused=True), mem.head_bytes(m, tokens, 2)
+    assert fused == kept + chunk_size(tokens, V, None, 2) * V * 2
+    assert chunk_size(tokens, V, None, 2) == 2 * chunk_size(tokens, V) + 1  # 883 against 441
+    assert torch_ops == kept + chunk_size(tokens, V) * V * 2 + V * H * 6  # d W's product and cast, the gradients
+    assert (torch_ops - fused) / 2**30 > 1.5
+    small = m.model_copy(update={"vocab_size": 64})
+    assert mem.head_bytes(small, tokens, 2, fused=True) == 3 * tokens * 2 * H + 4 * 64 * H
 
 
 def test_the_chunked_head_keeps_no_whole_logits():
@@ -345,13 +362,14 @@ def test_the_runs_fp8_recomputation_reaches_the_memory_check():
     rows = tokens * m.num_moe_layers * m.top_k * m.hidden_size * 2
     assert single_activation_bytes(plain, m) - single_activation_bytes(lean, m) == rows
     assert single_activation_bytes(swiglu, m) == single_activation_bytes(plain, m)
-    assert single_activation_bytes(plain, m) == mem.activation_bytes(m, tokens, 2, fp8=True)
+    assert single_activation_bytes(plain, m) == mem.activation_bytes(m, tokens, 2, fp8=True, fused_loss=True)
     longer = dict(base, seq_len=1024)  # the layer's backward, not the head, sets one process's peak
     recipes = {backward: TrainConfig(**longer, mode="single", recompute="selective", recompute_modules=["expert_input"],
                                      fp8_expert_backward=backward) for backward in ("fp8", "bf16-wgrad", "bf16")}
     for backward, run in recipes.items():
         assert single_activation_bytes(run, m) == mem.activation_bytes(m, 8 // 2 * 1024, 2, dropped=run.recompute_set,
-                                                                       fp8=True, fp8_backward=backward)
+                                                                       fp8=True, fp8_backward=backward,
+                                                                       fused_loss=True)
     assert len({single_activation_bytes(run, m) for run in recipes.values()}) == 3
     split = dict(base, mode="disaggregated", transport="nccl")
     plain_d, lean_d = TrainConfig(**split), TrainConfig(**split, recompute="selective",

@@ -150,7 +150,7 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
         assert plan.recompute_modules == modules
     dp = layout["attn"] // layout["p"]
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="bf16", seq_len=seq_len,
-                      batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
+                      batch_size=layout["m"] * dp * layout["seqs"], device="cuda", out_dir="unused")
     run = apply_plan(cfg, model)  # the plan's on as auto, which pairs wherever it applies and the rows fit
     assert run.recompute == recompute and run.micro_batches == layout["m"]
     assert run.pairs_expert_wgrads == (plan.expert_wgrad_pairs == "on")
@@ -232,7 +232,7 @@ def test_the_planner_adds_a_colocated_ranks_waiting_rows_as_the_runtimes_memory_
                              global_batch_tokens=1 << 22, recompute=recompute, expert_wgrad_pairs=pairs)
         choice = price(request, layout)
         cfg = TrainConfig(model=model, plan=choice.plan, experts_backend="triton", precision="bf16", seq_len=1024,
-                          batch_size=micro_batches * 4, out_dir="unused")
+                          batch_size=micro_batches * 4, device="cuda", out_dir="unused")
         run = apply_plan(cfg, model)
         assert run.mode == "colocated" and run.pairs_expert_wgrads == (pairs == "auto")
         return choice.cost.attn_act_bytes[0], max(p.peak_bytes for p in rank_activations(
