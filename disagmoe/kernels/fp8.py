@@ -38,7 +38,7 @@ from disagmoe.kernels.fp8_rounding import (AMAX_FLOOR, FP8, SCALE_BLOCK, _AMAX_F
                                             _SCALE_BLOCK, _TINY_SCALE, _TINY_SCALE_UP, _divided_by, _e4m3, _negated,
                                             _quantize_group_store, _quantized_rows, _quotient, _reciprocal_of,
                                             _round_to_e4m3, _round_to_e4m3_emulated, _scale_by_fma, _scale_of)
-from disagmoe.kernels.fp8_stats import E4M3_MAX, FIELDS, SATURATION_BOUND
+from disagmoe.kernels.fp8_stats import E4M3_MAX, FIELDS
 from disagmoe.kernels.tile_configs import TileConfig
 
 

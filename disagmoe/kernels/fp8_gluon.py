@@ -736,7 +736,7 @@ def gluon_fp8_weight_grad(
     it runs. block_n: the C tile (64 or 128). `second` = (a2, b2, padded2_E): a second row set over the
     same experts (one group each, not banded), e.g. the next micro-batch's rows (`kernels.wgrad_pairs`):
     its chunks summed after the first's into the same fp32 sum, one write of out for both."""
-    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    (qa_KP, _), (qb_CP, _) = a, b
     wrong = {name: t.dtype for name, t in (("a", qa_KP), ("b", qb_CP)) if t.dtype != FP8}
     if wrong:
         raise ValueError(f"FP8 operands must be torch.float8_e4m3fn (quantise them with "

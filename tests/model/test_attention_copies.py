@@ -19,7 +19,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from disagmoe.kernels.attention_core import causal_attention
 from disagmoe.model import attention as attention_module

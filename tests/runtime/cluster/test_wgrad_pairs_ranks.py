@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disagmoe.config import OptimConfig, TrainConfig
+from disagmoe.config import TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.roofline import memory as mem
 from disagmoe.runtime.activation_memory import RankActivations, pairs_wgrads, rank_activations, replay_peak
