@@ -31,7 +31,7 @@ from disagmoe.kernels.recompute import (ATTENTION, BLOCK, EXPERT_INPUT, EXPERT_O
 from disagmoe.model.attention import build_attention
 from disagmoe.model.dispatch import ExpertGrouping, combine, group_by_expert, permute
 from disagmoe.model.experts import RoutedExperts
-from disagmoe.model.layers import RMSNorm, SwiGLU
+from disagmoe.model.layers import RMSNorm, SwiGLU, add_rms_norm
 from disagmoe.model.router import Router, Routing
 
 
@@ -70,10 +70,19 @@ class Block(nn.Module):
         No RNG in there (no dropout), so no RNG state is stashed (a host read a CUDA graph would
         freeze); the projections' weight gradients still wait under `deferred_weight_grads` (the
         backward of the recomputed ops runs in the outer backward, grad mode off)."""
+        return x_BSH + self._attention_out(x_BSH)
+
+    def attention_part_normed(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`attention_part`'s h, the FFN norm of h [B, S, H]): the residual add and the norm in one fused
+        pass (`layers.add_rms_norm`), which also sums h's two gradients in the norm's backward."""
+        return add_rms_norm(x_BSH, self._attention_out(x_BSH), self.ffn_norm.weight, self.ffn_norm.eps)
+
+    def _attention_out(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """attention(norm(x)), the output projection's output; checkpointed as `attention_part` says."""
         if self.recompute_attention and torch.is_grad_enabled():
             o_in = checkpoint(self._attention_core, x_BSH, KeptCore(), use_reentrant=False, preserve_rng_state=False)
-            return x_BSH + self.attention.wo(o_in)
-        return x_BSH + self.attention(self.attention_norm(x_BSH))
+            return self.attention.wo(o_in)
+        return self.attention(self.attention_norm(x_BSH))
 
 
 class DenseBlock(Block):
@@ -90,8 +99,8 @@ class DenseBlock(Block):
         return self._forward(x_BSH)
 
     def _forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        h_BSH = self.attention_part(x_BSH)
-        return h_BSH + self.ffn(self.ffn_norm(h_BSH))
+        h_BSH, xn_BSH = self.attention_part_normed(x_BSH)
+        return h_BSH + self.ffn(xn_BSH)
 
 
 class MoE(nn.Module):
@@ -112,11 +121,12 @@ class MoEBlock(Block):
         self.moe = MoE(cfg, experts_backend)
 
     def route(self, h_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None,
-              saved: SavedRouting | None = None) -> Routing:
+              saved: SavedRouting | None = None, xn_BSH: torch.Tensor | None = None) -> Routing:
         """Normed token rows and the router's choice for them. `saved` (`recompute: full`): the
         forward records its choice there and the recomputation routes by it (the weights come
-        from the recomputed scores at those ids: their gradient is the forward's)."""
-        xn_NH = self.ffn_norm(h_BSH).flatten(0, 1)
+        from the recomputed scores at those ids: their gradient is the forward's). `xn_BSH`: the FFN
+        norm of h where the caller has it (`attention_part_normed`)."""
+        xn_NH = (self.ffn_norm(h_BSH) if xn_BSH is None else xn_BSH).flatten(0, 1)
         if saved is None:
             return self.moe.router(xn_NH, fixed_topk_idx_NK)
         routing = self.moe.router(xn_NH, saved.choice(fixed_topk_idx_NK))
@@ -159,8 +169,8 @@ class MoEBlock(Block):
         return self._attention_half(x_BSH, None)
 
     def _attention_half(self, x_BSH: torch.Tensor, saved: SavedRouting | None):
-        h_BSH = self.attention_part(x_BSH)
-        routing = self.route(h_BSH, None, saved)
+        h_BSH, xn_BSH = self.attention_part_normed(x_BSH)
+        routing = self.route(h_BSH, None, saved, xn_BSH)
         router = self.moe.router
         probs_E = router.mean_probs(routing.scores_NE).float() if router.cfg.aux_loss_coef > 0 else None
         return h_BSH, routing, self.shared_ffn(routing), probs_E
@@ -175,8 +185,8 @@ class MoEBlock(Block):
 
     def _forward(self, x_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None,
                  saved: SavedRouting | None) -> tuple[torch.Tensor, Routing]:
-        h_BSH = self.attention_part(x_BSH)
-        routing = self.route(h_BSH, fixed_topk_idx_NK, saved)
+        h_BSH, xn_BSH = self.attention_part_normed(x_BSH)
+        routing = self.route(h_BSH, fixed_topk_idx_NK, saved, xn_BSH)
         if self.moe.experts.fuses_permute(h_BSH):
             return self._forward_fused(h_BSH, routing, saved), routing
         x_PH, grouping = self.dispatch(routing, saved)

@@ -98,6 +98,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+@fused
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = x + y, `rms_norm`(h)): a residual add and the norm that reads its sum, in one fused graph on a GPU:
+    the forward writes h and its norm in one pass over x and y (h is not read again), and the backward sums
+    h's two gradients (the residual stream's and the norm's) in the norm's own backward kernel, where autograd
+    would add them in a pass of its own. The CPU runs the two ops as written (the same values, bit for bit)."""
+    h = x + y
+    return h, rms_norm.__wrapped__(h, weight, eps)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction for a context extended `factor` times."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

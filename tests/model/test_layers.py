@@ -70,17 +70,19 @@ def test_cuda_a_fused_function_holds_a_graph_per_signature_past_dynamos_default_
 @pytest.mark.gpu
 def test_cuda_fused_norm_and_rope_are_as_close_to_fp32_as_eager_bf16() -> None:
     """The torch.compile'd `fused` functions on bf16 CUDA tensors, forward and backward, are within
-    bf16 error (relative norm) of the same functions in fp32, as the eager bf16 ones are."""
+    bf16 error (relative norm) of the same functions in fp32, as the eager bf16 ones are; `add_rms_norm`
+    with a gradient on both its outputs (the residual stream's and the norm's, summed in its backward)."""
     import torch
 
     from disagmoe.model.attention import qk_norm_rope_heads
-    from disagmoe.model.layers import rms_norm, rope_cos_sin, set_fusion
+    from disagmoe.model.layers import add_rms_norm, rms_norm, rope_cos_sin, set_fusion
 
     device = torch.device("cuda")
     g = torch.Generator(device=device).manual_seed(0)
     inputs = [torch.randn(2, 64, 4, 32, device=device, generator=g), torch.randn(2, 64, 2, 32, device=device, generator=g),
               torch.randn(2, 64, 2, 32, device=device, generator=g),
-              1 + 0.1 * torch.randn(32, device=device, generator=g), 1 + 0.1 * torch.randn(32, device=device, generator=g)]
+              1 + 0.1 * torch.randn(32, device=device, generator=g), 1 + 0.1 * torch.randn(32, device=device, generator=g),
+              torch.randn(2, 64, 4, 32, device=device, generator=g)]
 
     def run(dtype: torch.dtype, fusion: bool) -> list[torch.Tensor]:
         set_fusion(fusion)
@@ -88,8 +90,9 @@ def test_cuda_fused_norm_and_rope_are_as_close_to_fp32_as_eager_bf16() -> None:
         cos, sin = rope_cos_sin(64, 32, 10000.0, device, dtype)
         outs = qk_norm_rope_heads(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], cos, sin, 1e-6)
         normed = rms_norm(leaves[0], leaves[3], 1e-6)
-        sum(o.float().square().sum() for o in (*outs, normed)).backward()
-        return [t.float() for t in (*outs, normed, *(leaf.grad for leaf in leaves))]
+        h, h_normed = add_rms_norm(leaves[0], leaves[5], leaves[4], 1e-6)
+        sum(o.float().square().sum() for o in (*outs, normed, h, h_normed)).backward()
+        return [t.float() for t in (*outs, normed, h, h_normed, *(leaf.grad for leaf in leaves))]
 
     reference = run(torch.float32, False)
     compiled = run(torch.bfloat16, True)
