@@ -82,12 +82,13 @@ def _permute_copy_kernel(x_ptr, dest_ptr, rows_ptr, weights_ptr, limit_ptr, n_pa
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, limit_ptr, n_tokens, H, K,
-                    stride_rn, stride_yt,
-                    HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, limit_ptr, residual_ptr, n_tokens, H, K,
+                    stride_rn, stride_yt, stride_residual,
+                    HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     # y[t, hs] = sum_k w[t, k] * rows[dest[t, k], hs] (w = 1 without weights), fp32 accumulation;
-    # HAS_LIMIT: rows at or after *limit_ptr (a spare bucket nothing wrote) count as zero.
+    # HAS_LIMIT: rows at or after *limit_ptr (a spare bucket nothing wrote) count as zero;
+    # HAS_RESIDUAL: residual[t, hs] added to the fp32 sum before its one rounding.
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tok_ok = tokens < n_tokens
@@ -103,6 +104,9 @@ def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, limit_ptr, n_tokens,
             acc += vals.to(tl.float32) * w[:, None]
         else:
             acc += vals.to(tl.float32)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + tokens.to(tl.int64)[:, None] * stride_residual + hs[None, :], mask=ok,
+                       other=0.0).to(tl.float32)
     tl.store(y_ptr + tokens.to(tl.int64)[:, None] * stride_yt + hs[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -224,20 +228,28 @@ def quantize_then_permute(x_TH: torch.Tensor, dest_TK: torch.Tensor, stats: torc
 
 
 def combine_forward(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
-                    weights_TK: torch.Tensor | None, limit: torch.Tensor | None = None) -> torch.Tensor:
+                    weights_TK: torch.Tensor | None, limit: torch.Tensor | None = None,
+                    residual_TH: torch.Tensor | None = None) -> torch.Tensor:
     """y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (weights of 1 when None); with
-    `limit` (a one-element int32 device tensor) rows at or after it count as zero."""
+    `limit` (a one-element int32 device tensor) rows at or after it count as zero; with `residual_TH`
+    (rows of unit stride) y_TH[t] = residual_TH[t] + that sum, rounded once."""
     tokens, top_k = dest_TK.shape
     hidden = rows_NH.shape[1]
+    if residual_TH is not None and (residual_TH.shape != (tokens, hidden) or residual_TH.stride(1) != 1):
+        raise ValueError(f"the combine's residual must be [tokens, hidden] = {(tokens, hidden)} with rows of unit "
+                         f"stride; got {tuple(residual_TH.shape)} strides {residual_TH.stride()}")
     y_TH = rows_NH.new_empty((tokens, hidden))
     if tokens == 0 or hidden == 0:
         return y_TH
     block_h = _row_block(hidden)
     grid = (triton.cdiv(tokens, TOKENS_PER_BLOCK), triton.cdiv(hidden, block_h))
+    residual_stride = y_TH.stride(0) if residual_TH is None else residual_TH.stride(0)
     _combine_kernel[grid](rows_NH, dest_TK, weights_TK if weights_TK is not None else dest_TK,
-                          y_TH, limit if limit is not None else dest_TK, tokens, hidden, top_k,
-                          rows_NH.stride(0), y_TH.stride(0), HAS_WEIGHTS=weights_TK is not None,
-                          HAS_LIMIT=limit is not None, BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
+                          y_TH, limit if limit is not None else dest_TK,
+                          residual_TH if residual_TH is not None else y_TH, tokens, hidden, top_k,
+                          rows_NH.stride(0), y_TH.stride(0), residual_stride,
+                          HAS_WEIGHTS=weights_TK is not None, HAS_LIMIT=limit is not None,
+                          HAS_RESIDUAL=residual_TH is not None, BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
     return y_TH
 
 
@@ -323,14 +335,15 @@ class PermuteFunction(torch.autograd.Function):
 
 
 class CombineFunction(torch.autograd.Function):
-    """y_TH = the weighted combine of rows_NH; its backward also quantises the row gradient into
-    `grad_slot` where one is given (`Fp8RowGradSlot`)."""
+    """y_TH = the weighted combine of rows_NH (plus `residual_TH`); its backward also quantises the row
+    gradient into `grad_slot` where one is given (`Fp8RowGradSlot`), and hands dy itself to the residual."""
 
     @staticmethod
-    def forward(ctx, rows_NH, weights_TK, dest_TK, limit, grad_slot=None):
+    def forward(ctx, rows_NH, weights_TK, dest_TK, limit, grad_slot=None, residual_TH=None):
         ctx.save_for_backward(rows_NH, weights_TK, dest_TK, *(() if limit is None else (limit,)))
         ctx.grad_slot = grad_slot
-        return combine_forward(rows_NH, dest_TK, weights_TK, limit)
+        ctx.has_residual = residual_TH is not None
+        return combine_forward(rows_NH, dest_TK, weights_TK, limit, residual_TH)
 
     @staticmethod
     def backward(ctx, dy_TH):
@@ -343,7 +356,7 @@ class CombineFunction(torch.autograd.Function):
                                                                  limit)
             ctx.grad_slot.put(d_rows, copy)
             ctx.grad_slot = None
-        return d_rows, d_weights, None, None, None
+        return d_rows, d_weights, None, None, None, dy_TH if ctx.has_residual else None
 
 
 def _check_routing(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
@@ -374,15 +387,17 @@ def permute_tokens(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: i
 
 def combine_rows(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
                  weights_TK: torch.Tensor, limit: torch.Tensor | None = None,
-                 grad_slot: Fp8RowGradSlot | None = None) -> torch.Tensor:
+                 grad_slot: Fp8RowGradSlot | None = None, residual_TH: torch.Tensor | None = None) -> torch.Tensor:
     """y_TH = sum_k weights_TK[:, k] * rows_NH[dest_TK[:, k]]; differentiable in rows, weights.
     `limit` (one-element int32 device tensor): rows at or after it count as zero (a spare bucket).
     `grad_slot`: the backward also leaves the rows' gradient quantised 1 x 128 there, for FP8 experts
-    that produced the rows (`Fp8RowGradSlot`)."""
+    that produced the rows (`Fp8RowGradSlot`). `residual_TH`: added to the sum in the same pass (the
+    residual stream's h + FFN, rounded once), differentiable too (its gradient is dy)."""
     if weights_TK.shape != dest_TK.shape:
         raise ValueError(f"weights must match dest [tokens, k] {tuple(dest_TK.shape)}; "
                          f"got {tuple(weights_TK.shape)}")
-    return CombineFunction.apply(rows_NH.contiguous(), weights_TK.contiguous(), dest_TK, limit, grad_slot)
+    residual = None if residual_TH is None else residual_TH.contiguous()
+    return CombineFunction.apply(rows_NH.contiguous(), weights_TK.contiguous(), dest_TK, limit, grad_slot, residual)
 
 
 def permute_reference(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
@@ -398,7 +413,8 @@ def permute_reference(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts
 
 
 def combine_reference(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
-                      weights_TK: torch.Tensor) -> torch.Tensor:
-    """Plain torch: gather, weight in fp32, sum over k."""
+                      weights_TK: torch.Tensor, residual_TH: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: gather, weight in fp32, sum over k (plus the residual, in fp32)."""
     gathered_TKH = rows_NH[dest_TK.long()].float()
-    return (gathered_TKH * weights_TK.float()[..., None]).sum(1).to(rows_NH.dtype)
+    summed_TH = (gathered_TKH * weights_TK.float()[..., None]).sum(1)
+    return (summed_TH if residual_TH is None else residual_TH.float() + summed_TH).to(rows_NH.dtype)

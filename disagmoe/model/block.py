@@ -196,7 +196,7 @@ class MoEBlock(Block):
 
     def _forward_fused(self, h_BSH: torch.Tensor, routing: Routing, saved: SavedRouting | None) -> torch.Tensor:
         """dispatch, experts, combine with the Triton permute and weighted-combine kernels
-        (the same arithmetic; the combine sums each token's k rows in fp32)."""
+        (the same arithmetic; the combine sums each token's k rows and the residual h in fp32, one rounding)."""
         from disagmoe.kernels.permute import combine_rows, pair_destinations
 
         experts = self.moe.experts
@@ -214,7 +214,12 @@ class MoEBlock(Block):
             y_PH = experts(self._expert_rows(routing, destinations, x_fp8), offsets_E, source=source, x_fp8=x_fp8,
                            grad_slot=grad_slot)
             del x_fp8  # the e4m3 rows freed once the FFN's forward returned
-            ffn_NH = combine_rows(y_PH, dest_NK, routing.topk_w_NK, grad_slot=grad_slot)
+            # the residual stream (and the shared experts' output) added in the combine's own pass
+            shared_NH = self.shared_ffn(routing)
+            h_NH = h_BSH.flatten(0, 1)
+            residual_NH = h_NH if shared_NH is None else h_NH + shared_NH
+            return combine_rows(y_PH, dest_NK, routing.topk_w_NK, grad_slot=grad_slot,
+                                residual_TH=residual_NH).view_as(h_BSH)
         shared_NH = self.shared_ffn(routing)
         if shared_NH is not None:
             ffn_NH = ffn_NH + shared_NH

@@ -99,7 +99,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @fused
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = x + y, `rms_norm`(h)): a residual add and the norm that reads its sum, in one fused graph on a GPU:
     the forward writes h and its norm in one pass over x and y (h is not read again), and the backward sums
     h's two gradients (the residual stream's and the norm's) in the norm's own backward kernel, where autograd

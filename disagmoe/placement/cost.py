@@ -1016,8 +1016,8 @@ def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Nu
         # (FP8 experts refuse `recompute: full`: no e4m3 copies here)
         ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL, waits=waits, fused=False,
                             fused_loss=prob.fused_loss)[0]
-        act = np.broadcast_to(np.where(c.expert == 1, _one_process_full(m, tokens, prob.fused_loss), ranks).astype(float),
-                              (n,)).copy()
+        one = _one_process_full(m, tokens, prob.fused_loss)
+        act = np.broadcast_to(np.where(c.expert == 1, one, ranks).astype(float), (n,)).copy()
         fits = attn_state + act <= cap
         return none, none, act, 0.0 * act, fits, attn_state + act, fits
     act_attn = np.broadcast_to(np.asarray(attention_activations(m, tokens, in_flight, c.p, mem.FULL,

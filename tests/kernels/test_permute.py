@@ -37,22 +37,28 @@ def test_permute_matches_stable_sort(permute, case):
     assert torch.equal(rows, want_rows)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["sum", "residual-plus-sum"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_permute_and_combine_backward_match_reference(permute, case):
+def test_permute_and_combine_backward_match_reference(permute, case, residual):
+    """The permute and the weighted combine, forward and backward; with a residual stream added in the
+    combine's pass (`residual_TH`: the block's h + FFN), its gradient dy itself."""
     tokens, top_k, experts, hidden = CASES[case]
     x, idx, weights = _routing(*CASES[case], seed=20 + case)
-    dy = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(case))
+    gen = torch.Generator().manual_seed(case)
+    dy = torch.randn(tokens, hidden, generator=gen)
+    h = torch.randn(tokens, hidden, generator=gen)
     results = []
     for permute_fn, combine_fn in ((permute.permute_tokens, permute.combine_rows),
                                    (permute.permute_reference, permute.combine_reference)):
-        x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        x_leaf, w_leaf, h_leaf = (t.clone().requires_grad_() for t in (x, weights, h))
         rows, _, dest = permute_fn(x_leaf, idx, experts)
         rows = rows * 2.0  # a stand-in for the experts, so d rows differs from d y
-        y = combine_fn(rows, dest, w_leaf)
+        y = combine_fn(rows, dest, w_leaf, **({"residual_TH": h_leaf} if residual else {}))
         y.backward(dy)
-        results.append((y.detach(), x_leaf.grad, w_leaf.grad))
+        results.append((y.detach(), x_leaf.grad, w_leaf.grad, h_leaf.grad if residual else dy))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[0][3], dy)
 
 
 def _check_weighted_rows(permute, case: int, device: str, dtype: torch.dtype) -> None:
@@ -109,6 +115,8 @@ def test_combine_kernels_write_every_element(permute):
     for t in (y, d_rows, d_w):
         assert torch.isfinite(t).all()
     torch.testing.assert_close(y, permute.combine_reference(rows, dest, weights))
+    with pytest.raises(ValueError, match=r"residual must be \[tokens, hidden\] = \(23, 33\)"):
+        permute.combine_forward(rows, dest, weights, residual_TH=dy[:, :32])
 
 
 @pytest.mark.parametrize("case", [(37, 2, 8, 300), (20, 4, 3, 128), (9, 3, 70, 40), (0, 2, 4, 256)])
@@ -156,6 +164,9 @@ def test_gpu_bf16_permute_combine(tokens, top_k, experts, hidden):
     y = permute.combine_rows(rows, dest, weights)
     torch.testing.assert_close(y, permute.combine_reference(rows, dest, weights),
                                rtol=1e-2, atol=1e-2)
+    h = torch.randn_like(x)  # the residual stream added in the same pass, rounded once
+    torch.testing.assert_close(permute.combine_rows(rows, dest, weights, residual_TH=h),
+                               permute.combine_reference(rows, dest, weights, h), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
