@@ -796,6 +796,9 @@ class Plan(StrictModel):
     cuda_graphs: Literal["auto", "on", "off"] | None = Field(
         None, description="a distributed layout: the cuda_graphs its transport's rings were priced under "
         "(`train --plan` then sets cuda_graphs to it); None for one GPU and in a plan written before this field")
+    fused_loss: bool | None = Field(
+        None, description="the LM head's loss as the plan priced its time and memory: the fused kernel's or torch's "
+        "ops (`train --plan` then sets fused_loss to it); None in a plan written before this field")
     expert_wgrad_pairs: Literal["auto", "on", "off"] | None = Field(
         None, description="the expert_wgrad_pairs the layout was priced under, the same on every GPU holding "
         "experts: on (its expert weight gradients priced over pairs of micro-batches) or off (a request's auto "
@@ -1455,7 +1458,8 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
             "fp8_expert_forward": cfg.fp8_expert_forward or RUN_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
-            "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs, "fused_loss": cfg.fused_loss,
+            "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs,
+            "fused_loss": cfg.runs_fused_loss,
             "expert_wgrad_pairs": "off" if cfg.expert_wgrad_pairs_unavailable else cfg.expert_wgrad_pairs}
 
 

@@ -3,10 +3,11 @@ in the same run.
 
 A training step's loss (`model.loss.linear_cross_entropy`) runs the head GEMM over chunks of a micro-batch's
 tokens and each chunk's softmax, loss and d logits; on a GPU the softmax is one fused pass
-(`kernels.cross_entropy`), elsewhere five torch passes over fp32 logits. Per case (a micro-batch's tokens of
+(`kernels.cross_entropy`) and each chunk's d W is summed by its GEMM in fp32, over chunks of twice the tokens
+at large vocabularies; torch's ops make five passes over fp32 logits. Per case (a micro-batch's tokens of
 the config's model, at its vocabulary and at each `--vocab`): GPU kernel time of the whole head, forward and
-backward, each way, and of one chunk's softmax alone (its bytes over its time against the HBM copy rate of
-the same run: a memory-bound pass), with the two losses' relative difference.
+backward, each way (each at its own chunk), and of one torch-sized chunk's softmax alone (its bytes over its
+time against the HBM copy rate of the same run: a memory-bound pass), with the two losses' relative difference.
 
 Legend: N tokens of a micro-batch, H hidden, V vocabulary, C tokens of a chunk.
 """
@@ -67,12 +68,13 @@ def run(tokens: int, hidden: int, vocabs: list[int], warmup: int, iters: int,
         t_N = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
         fused_ms, fused_loss = _head_ms(h_NH, w_VH, t_N, True, warmup, iters)
         torch_ms, torch_loss = _head_ms(h_NH, w_VH, t_N, False, warmup, iters)
-        chunk = chunk_size(tokens, vocab)
+        chunk = chunk_size(tokens, vocab)  # torch's chunk: the fused head's holds 2x the tokens at large vocabularies
         logits_CV = h_NH[:chunk] @ w_VH.T
         softmax_fused = _softmax_ms(logits_CV, t_N[:chunk], tokens, True, warmup, iters)
         softmax_torch = _softmax_ms(logits_CV, t_N[:chunk], tokens, False, warmup, iters)
         fused_bytes = 3 * logits_CV.numel() * logits_CV.element_size()  # read twice, written once
         row = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk": chunk,
+               "fused_chunk": chunk_size(tokens, vocab, None, h_NH.element_size()),
                "head_fused_ms": fused_ms, "head_torch_ms": torch_ms, "head_speedup": torch_ms / fused_ms,
                "softmax_fused_ms": softmax_fused, "softmax_torch_ms": softmax_torch,
                "softmax_speedup": softmax_torch / softmax_fused,

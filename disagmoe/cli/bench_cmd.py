@@ -940,11 +940,12 @@ def loss(
         return
     table = Table(title=f"LM head + cross-entropy, {tokens:,} tokens x hidden {model.hidden_size}, bf16, kernel ms "
                         f"(HBM copy in the same run: {record['copy_gbps']:,.0f} GB/s)")
-    for col in ("vocab", "chunk", "head torch", "head fused", "speedup", "softmax torch", "softmax fused", "speedup",
+    for col in ("vocab", "chunk torch / fused", "head torch", "head fused", "speedup", "softmax torch", "softmax fused",
+                "speedup",
                 "fused of copy", "loss rel diff"):
         table.add_column(col, justify="right")
     for r in record["rows"]:
-        table.add_row(f"{r['vocab']:,}", f"{r['chunk']:,}", f"{r['head_torch_ms']:.3f}", f"{r['head_fused_ms']:.3f}",
+        table.add_row(f"{r['vocab']:,}", f"{r['chunk']:,} / {r['fused_chunk']:,}", f"{r['head_torch_ms']:.3f}", f"{r['head_fused_ms']:.3f}",
                       f"{r['head_speedup']:.2f}x", f"{r['softmax_torch_ms']:.3f}", f"{r['softmax_fused_ms']:.3f}",
                       f"{r['softmax_speedup']:.2f}x", f"{r['softmax_fused_of_copy']:.0%}", f"{r['loss_rel_diff']:.1e}")
     console.print(table)

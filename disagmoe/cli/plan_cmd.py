@@ -88,6 +88,11 @@ WgradPairsOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "(half the fp32 main-gradient passes) and one micro-batch's expert rows per MoE layer held beside the next; "
     "auto (the default): on for each split whose predicted peak with those rows is within 85% of the GPU, as the "
     "trainer settles it, else off (the plan says which); off: a weight-gradient pass per micro-batch")]
+FusedLossOpt = Annotated[bool, typer.Option(
+    "--fused-loss/--no-fused-loss", help="the run's fused_loss (train with the same): the LM head's loss priced as "
+    "the fused kernel runs it on a GPU (about 12 bytes of HBM traffic a logit, each chunk's logits held once in "
+    "bf16; the default) or as torch's ops (about 50, beside an fp32 copy); the plan records it and train --plan "
+    "sets it")]
 RecomputeOpt = Annotated[Literal["none", "selective", "full", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
@@ -106,7 +111,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   optimizer_update_kernel: str = "triton", fp8_dense: bool | None = None,
                   fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = RUN_FP8_EXPERT_FORWARD,
                   cuda_graphs: str = "auto", fp8_dense_scaling: str = FP8_DENSE_SCALING,
-                  expert_wgrad_pairs: str = "auto") -> PlanConfig:
+                  expert_wgrad_pairs: str = "auto", fused_loss: bool = True) -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -119,7 +124,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       fp8_dense="on" if fp8_dense is None else fp8_dense,  # unset: as precision fp8 trains
                       fp8_dense_scaling=fp8_dense_scaling,
                       fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward,
-                      cuda_graphs=cuda_graphs, expert_wgrad_pairs=expert_wgrad_pairs)
+                      cuda_graphs=cuda_graphs, expert_wgrad_pairs=expert_wgrad_pairs, fused_loss=fused_loss)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -137,7 +142,8 @@ RUN_FIELDS = {  # plan's flags that a train config sets under --config: flag -> 
     "shard_optimizer_states": "optim.shard_states", "optimizer_state_dtype": "optim.state_dtype",
     "optimizer_update_kernel": "optim.update_kernel", "expert_precision": "precision", "fp8_dense": "fp8_dense",
     "fp8_dense_scaling": "fp8_dense_scaling", "fp8_expert_backward": "fp8_expert_backward",
-    "fp8_expert_forward": "fp8_expert_forward", "cuda_graphs": "cuda_graphs", "expert_wgrad_pairs": "expert_wgrad_pairs"}
+    "fp8_expert_forward": "fp8_expert_forward", "cuda_graphs": "cuda_graphs", "expert_wgrad_pairs": "expert_wgrad_pairs",
+    "fused_loss": "fused_loss"}
 PlanConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", "-c", help="a train config: plan for its run (its model, seq_len, batch_size x seq_len tokens a step, "
     "optimizer, precision, experts backend and cuda_graphs, priced as it trains), on --gpus GPUs (default: its "
@@ -172,6 +178,7 @@ def plan(
     offload_optimizer: OffloadOpt = "off",
     cuda_graphs: CudaGraphsOpt = "auto",
     expert_wgrad_pairs: WgradPairsOpt = "auto",
+    fused_loss: FusedLossOpt = True,
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
     config: PlanConfigOpt = None,
@@ -205,7 +212,7 @@ def plan(
                             max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
                             recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
                             fp8_expert_backward, fp8_expert_forward, cuda_graphs, fp8_dense_scaling,
-                            expert_wgrad_pairs)
+                            expert_wgrad_pairs, fused_loss)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

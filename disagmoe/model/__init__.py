@@ -8,8 +8,8 @@
 
 Decomposition used by the disaggregated runtime (one MoE layer, `block = model.layers[i]`):
 
-    h_BSH          = block.attention_part(x_BSH)          # attention side: norm + attention + residual
-    routing        = block.route(h_BSH)                   # attention side: Routing(xn_NH, topk_idx_NK,
+    h_BSH, xn_BSH  = block.attention_part_normed(x_BSH)   # attention side: norm + attention + residual + FFN norm
+    routing        = block.route(h_BSH, xn_BSH=xn_BSH)    # attention side: Routing(xn_NH, topk_idx_NK,
                                                           #   topk_w_NK, aux_loss, z_loss, load_E)
     x_PH, grouping = block.dispatch(routing)              # attention side: pair rows grouped by expert
     y_PH           = block.moe.experts(x_PH, grouping.offsets_E)   # expert side

@@ -2,14 +2,15 @@
 
 A MoE layer runs as five steps; only `moe.experts` runs on an expert rank:
 
-    h_BSH            = block.attention_part(x_BSH)          # attention rank: norm, attention, residual
-    routing          = block.route(h_BSH)                   # attention rank: FFN norm, router
+    h_BSH, xn_BSH    = block.attention_part_normed(x_BSH)   # attention rank: norm, attention, residual, FFN norm
+    routing          = block.route(h_BSH, xn_BSH=xn_BSH)    # attention rank: router
     x_PH, grouping   = block.dispatch(routing)              # attention rank: rows grouped by expert
     y_PH             = block.moe.experts(x_PH, grouping.offsets_E)   # expert rank(s)
     shared_NH        = block.shared_ffn(routing)            # attention rank (overlaps the experts)
     out_BSH          = block.combine(h_BSH, routing, y_PH, grouping, shared_NH)
 
-`forward` composes exactly these calls. Leading dense layers (`DenseBlock`) run whole on the
+`forward` composes exactly these calls (on a GPU with the triton experts the steps after the router as
+one, `_forward_fused`, whose combine also adds h). Leading dense layers (`DenseBlock`) run whole on the
 attention rank. `recompute: full` (`set_recompute` with `kernels.recompute.BLOCK`): a block keeps
 its input and its routing (`SavedRouting`) and runs again in the backward: whole in one process,
 its attention half (`attention_half`) on an attention rank.
@@ -196,7 +197,8 @@ class MoEBlock(Block):
 
     def _forward_fused(self, h_BSH: torch.Tensor, routing: Routing, saved: SavedRouting | None) -> torch.Tensor:
         """dispatch, experts, combine with the Triton permute and weighted-combine kernels
-        (the same arithmetic; the combine sums each token's k rows and the residual h in fp32, one rounding)."""
+        (the same arithmetic; the combine sums each token's k rows and the residual h in fp32, one rounding; under
+        recompute of expert_output the fused layer's output and h are added apart)."""
         from disagmoe.kernels.permute import combine_rows, pair_destinations
 
         experts = self.moe.experts

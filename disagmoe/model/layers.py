@@ -186,11 +186,13 @@ def add_product_into_fp32_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch
     with no product tensor written and read and no cast. True if it did; False (nothing done) leaves the
     caller to form the product itself."""
     if (not acc_MN.is_cuda or acc_MN.dtype != torch.float32 or a_MK.dtype not in (torch.bfloat16, torch.float16)
-            or _Fp32AccumulatorGemm.supported is False):
+            or b_KN.dtype != a_MK.dtype or _Fp32AccumulatorGemm.supported is False):
         return False
     try:
         torch.addmm(acc_MN, a_MK, b_KN, out_dtype=torch.float32, out=acc_MN)
-    except (RuntimeError, TypeError):  # an older torch: the arguments are refused before any launch
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError):  # a torch without it: the arguments are refused before any launch
         _Fp32AccumulatorGemm.supported = False
         return False
     _Fp32AccumulatorGemm.supported = True

@@ -87,6 +87,7 @@ def _chunked(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, ch
                 dh_NH[start:start + chunk] = d_CV @ w_VH
             if needs_w and not (fused and add_product_into_fp32_(dw_VH, d_CV.T, h_CH)):
                 dw_VH += (d_CV.T @ h_CH).float()
+        del d_CV  # before the next chunk's logits: one chunk's at a time (`roofline.memory.head_bytes`)
     return total / N, dh_NH, dw_VH
 
 

@@ -796,7 +796,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         fp8_dense_scaling=prob.fp8_dense_scaling if prob.fp8_dense else None,
         fp8_expert_backward=prob.fp8_backward if prob.expert_precision == "fp8" else None,
         fp8_expert_forward=prob.fp8_forward if prob.expert_precision == "fp8" else None,
-        cuda_graphs=None if single else prob.cuda_graphs,
+        cuda_graphs=None if single else prob.cuda_graphs, fused_loss=prob.fused_loss,
         expert_wgrad_pairs="on" if cost.wgrad_pairs[0] else "off",
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,

@@ -350,12 +350,12 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
     Chunked (`model.loss.linear_cross_entropy`: every fast path) the logits never exist whole: the
     forward keeps d h [N, H] and an fp32 d W [V, H] for the backward and holds one chunk's logits at
     a time; the backward holds d h scaled by the incoming gradient beside them (d W is added into the
-    main gradient in place). By torch's ops (`fused` False: the CPU, `fused_loss: false`) a chunk's
-    logits sit beside their fp32 copy and then the gradients cast back, and each chunk's d W product
-    beside its fp32 cast and the chunk's gradients; fused (a GPU
+    main gradient in place, where there is one: every bf16 run's FlatAdamW). By torch's ops (`fused`
+    False: the CPU, `fused_loss: false`) a chunk's logits sit beside their fp32 copy and log-sum-exp's
+    fp32 temporary, and each chunk's d W product beside its fp32 cast and the chunk's gradients; fused (a GPU
     run's default) the softmax works over the logits themselves, chunks hold twice the tokens at half
     the bytes a logit (`loss_chunk_tokens`), and each chunk's d W is summed into the fp32 one by the
-    GEMM (torch >= 2.9's `addmm` with `out_dtype`; an older torch forms the product, not counted here).
+    GEMM (`addmm` with `out_dtype`, torch >= 2.9: bf16 operands; fp32 ones form the product).
     Unchunked (the fp32 oracle's `F.cross_entropy`): the logits and log-probabilities [N, V] are
     kept, and their gradient joins them in the backward."""
     H, V = m.hidden_size, m.vocab_size
@@ -364,13 +364,15 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
         return norm_in + tokens * 3 * FP32 * V
     kept = norm_in + tokens * value_bytes * H + FP32 * V * H
     scaled_dh = tokens * value_bytes * H
+    fp32 = value_bytes >= FP32  # a .float() of an fp32 tensor is itself; an fp32 GEMM's d W is not fused
     if fused:
-        return kept + _larger(loss_chunk_tokens(tokens, V, value_bytes) * V * value_bytes, scaled_dh)
+        logits = loss_chunk_tokens(tokens, V, value_bytes) * V * value_bytes
+        return kept + _larger(logits + (V * H * FP32 if fp32 else 0), scaled_dh)
     logits = loss_chunk_tokens(tokens, V) * V
-    if value_bytes >= FP32:  # a .float() or .to(fp32) of an fp32 tensor is itself
-        softmax, wgrad = logits * FP32, logits * FP32 + V * H * FP32
-    else:  # the logits, their fp32 copy and the gradients cast back; the gradients, d W's product and its cast
-        softmax, wgrad = logits * (2 * value_bytes + FP32), logits * value_bytes + V * H * (value_bytes + FP32)
+    if fp32:  # the logits and log-sum-exp's temporary; the gradients and d W's product
+        softmax, wgrad = logits * 2 * FP32, logits * FP32 + V * H * FP32
+    else:  # the logits, their fp32 copy and log-sum-exp's temporary; the gradients, d W's product and its cast
+        softmax, wgrad = logits * (value_bytes + 2 * FP32), logits * value_bytes + V * H * (value_bytes + FP32)
     return kept + _larger(_larger(softmax, wgrad), scaled_dh)
 
 

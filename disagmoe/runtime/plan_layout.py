@@ -15,7 +15,8 @@ dropped where the plan keeps the dense projections in bf16), `fp8_expert_backwar
 `fp8_expert_forward` where it priced the experts in FP8 (a bf16 plan, or one written before it
 recorded them, leaves the config's), and a
 distributed plan's `cuda_graphs` (its rings were priced captured or not under it), and the plan's
-`expert_wgrad_pairs` (`planned_wgrad_pairs`: the weight-gradient passes and waiting rows it priced).
+`expert_wgrad_pairs` (`planned_wgrad_pairs`: the weight-gradient passes and waiting rows it priced), and on a GPU
+its `fused_loss` (the LM head's loss it priced; a plan written before it recorded it leaves the config's).
 The plan wins over these fields of the config: the config file is the base a plan is applied to
 (`replaced_fields` says what changed, for the CLI to show), and the result goes through the config's
 own checks as a config file would (FP8 on a CPU device or without triton experts is refused there,
@@ -65,7 +66,7 @@ LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "
                  "colocated_ranks", "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
                  "optim.shard_states", "precision", "fp8_dense", "fp8_dense_scaling", "fp8_expert_backward",
                  "fp8_expert_forward",
-                 "cuda_graphs", "expert_wgrad_pairs")  # dotted: a field of a field
+                 "cuda_graphs", "expert_wgrad_pairs", "fused_loss")  # dotted: a field of a field
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
@@ -124,6 +125,8 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
                        if value is not None})
     if plan.cuda_graphs is not None:  # a distributed plan's rings were priced captured or not under it
         layout["cuda_graphs"] = plan.cuda_graphs
+    if plan.fused_loss is not None and cfg.device == "cuda":  # the head was priced as this loss runs (a CPU: torch's)
+        layout["fused_loss"] = plan.fused_loss
     if plan.expert_wgrad_pairs is not None:  # the weight-gradient passes and waiting rows were priced so
         layout["expert_wgrad_pairs"] = planned_wgrad_pairs(plan)
     planned = cfg.model_copy(update={**layout, "plan": plan})  # a copy skips the config's checks: run them

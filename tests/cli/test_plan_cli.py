@@ -551,6 +551,17 @@ def test_plan_for_a_train_configs_run_takes_its_model_batch_and_settings_and_tra
     assert auto.feasible  # the search's own choices stay flags
 
 
+def test_plan_prices_the_loss_it_is_told_and_a_config_sets_it():
+    """`--no-fused-loss` prices the LM head as torch's ops (the plan records it); beside --config it is refused
+    like the other run fields (the config's fused_loss says it)."""
+    fused = Plan.model_validate_json(run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "1", "--json").stdout)
+    ops = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "1", "--no-fused-loss", "--json")
+    assert ops.exit_code == 0, ops.output
+    assert fused.fused_loss is True and Plan.model_validate_json(ops.stdout).fused_loss is False
+    both = run("plan", "-c", TINY, "-hw", "h200-sxm", "--no-fused-loss")
+    assert both.exit_code == 2 and "--fused-loss: fused_loss" in both.output
+
+
 def test_plan_refuses_beside_a_config_the_flags_it_sets_and_says_where_they_go():
     both = run("plan", "-c", TINY, "-hw", "h200-sxm", "--seq-len", "128", "--optimizer-state-dtype", "bf16")
     assert both.exit_code == 2

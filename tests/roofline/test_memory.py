@@ -33,6 +33,9 @@ def test_the_fused_head_holds_its_chunks_logits_once_and_no_product_of_d_w():
     assert chunk_size(tokens, V, None, 2) == 2 * chunk_size(tokens, V) + 1  # 883 against 441
     assert torch_ops == kept + chunk_size(tokens, V) * V * 2 + V * H * 6  # d W's product and cast, the gradients
     assert (torch_ops - fused) / 2**30 > 1.5
+    # fp32 operands: the fp32 logits' chunk, and no fused d W GEMM (each chunk's fp32 product formed)
+    assert mem.head_bytes(m, tokens, 4, fused=True) == (2 * tokens * 4 * H + 4 * V * H
+                                                        + chunk_size(tokens, V) * V * 4 + 4 * V * H)
     small = m.model_copy(update={"vocab_size": 64})
     assert mem.head_bytes(small, tokens, 2, fused=True) == 3 * tokens * 2 * H + 4 * 64 * H
 

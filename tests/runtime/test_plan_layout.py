@@ -415,6 +415,19 @@ def test_a_plan_sets_the_fp8_recipe_and_the_cuda_graphs_it_was_priced_under():
     assert apply_plan(mine, MODEL).cuda_graphs == "off"
 
 
+def test_a_plan_sets_the_loss_it_was_priced_with_on_a_gpu_run():
+    """A plan records the LM head's loss it priced (`--no-fused-loss`: torch's ops); `train --plan` sets it on a
+    GPU run (among the replaced fields), and leaves a CPU run's (which runs torch's ops whatever it says)."""
+    fused, torch_ops = planned(1), planned(1, fused_loss=False)
+    assert (fused.fused_loss, torch_ops.fused_loss) == (True, False)
+    assert fused.memory_per_gpu != torch_ops.memory_per_gpu or fused.step_time_s < torch_ops.step_time_s
+    gpu = config(torch_ops, device="cuda", experts_backend="triton")
+    run = apply_plan(gpu, MODEL)
+    assert run.fused_loss is False and replaced_fields(gpu, run)["fused_loss"] == (True, False)
+    assert apply_plan(config(torch_ops), MODEL).fused_loss is True  # a CPU run's own
+    assert apply_plan(config(fused, device="cuda", experts_backend="triton", fused_loss=False), MODEL).fused_loss
+
+
 @pytest.mark.parametrize("precision", ["auto", "fp32"])
 def test_an_fp8_plan_on_a_cpu_run_gets_the_configs_own_fp8_refusal(precision):
     """precision: fp8 set by a plan goes through the config's checks as a config file's would: on
