@@ -405,8 +405,8 @@ def _oracle_routing(cfg: TrainConfig, out: Path) -> list[tuple[int, torch.Tensor
     seen = []
     for layer, block in enumerate(trainer.model.layers):
         if hasattr(block, "route"):
-            def route(h_BSH, fixed=None, saved=None, *, _route=block.route, _layer=layer):
-                routing = _route(h_BSH, fixed, saved)
+            def route(h_BSH, fixed=None, saved=None, xn_BSH=None, *, _route=block.route, _layer=layer):
+                routing = _route(h_BSH, fixed, saved, xn_BSH)
                 seen.append((_layer, routing.topk_idx_NK.detach().clone()))
                 return routing
             block.route = route

@@ -108,8 +108,9 @@ def _workers(cfg: TrainConfig, topology: Topology, routed: list) -> list[TrainWo
             for layer in worker.attention.layers:
                 block = worker.model.block(layer)
                 if hasattr(block, "route"):
-                    def route(h_BSH, fixed=None, saved=None, *, _route=block.route, _layer=layer, _rank=rank):
-                        routing = _route(h_BSH, fixed, saved)
+                    def route(h_BSH, fixed=None, saved=None, xn_BSH=None, *, _route=block.route, _layer=layer,
+                              _rank=rank):
+                        routing = _route(h_BSH, fixed, saved, xn_BSH)
                         routed.append((_rank, _layer, routing.topk_idx_NK.detach().clone()))
                         return routing
                     block.route = route
