@@ -187,19 +187,20 @@ def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:
 
 def norms_and_residuals(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:
     """(forward, backward) of one layer's elementwise kernels around the GEMMs and attention, each
-    reading its inputs and writing its outputs once (bf16), as a MoE layer on a GPU runs them: the
-    attention norm (read and write H), the q/k norm and RoPE (read and write q and k; v and the
-    attention's output are only viewed heads-first and back, token-major in memory:
-    `model.attention.rope_heads`), the attention's residual add fused with the FFN norm
-    (`layers.add_rms_norm`: read 2H, write h and its norm), and the FFN's residual read by the
-    weighted combine's own pass (`permute.combine_rows`: H; a dense layer's separate add writes H
-    more). Their backwards: the attention norm reads x and d out and writes d x; the fused add and
-    norm reads h, d h and d norm and writes one d; RoPE reads and writes the gradients of q and k and
-    reads the saved q, k; the block input's two gradients are summed apart (read 2H, write H)."""
+    reading its inputs and writing its outputs once (bf16): the two RMSNorms (read and write H),
+    the q/k norm and RoPE (read and write q and k; v and the attention's output are only viewed
+    heads-first and back, token-major in memory: `model.attention.rope_heads`), the two residual
+    adds (read 2H, write H). Their backwards: a norm reads x and d out and writes d x, RoPE reads
+    and writes the gradients of q and k and reads the saved q, k, and each residual sums two
+    gradients. These are the passes `bench calibrate`'s norms probe times (`norms_passes`), and its HBM
+    rate is fitted against them: on a GPU the model fuses some of them (the attention's residual add with
+    the FFN norm, `layers.add_rms_norm`; the FFN's residual add into the weighted combine), 3H fewer bytes
+    forward and 2H backward, which a calibrated file prices as the probe's passes (at most a few tenths of
+    a percent of a step over)."""
     q, k, _ = attention_io_per_token(m)
     H = m.hidden_size
-    fwd = 2 * H + 2 * (q + k) + 4 * H + H
-    bwd = 3 * H + 4 * H + 2 * (q + k) + (q + k) + 3 * H
+    fwd = 2 * 2 * H + 2 * (q + k) + 2 * 3 * H
+    bwd = 2 * 3 * H + 2 * (q + k) + (q + k) + 2 * 3 * H
     return Work(hbm_bytes=BF16 * tokens * fwd), Work(hbm_bytes=BF16 * tokens * bwd)
 
 
