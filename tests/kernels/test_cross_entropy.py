@@ -120,7 +120,9 @@ def test_gpu_bf16_matches_the_reference(rows, vocab):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_the_fused_loss_trains_as_torchs_ops_do():
-    """The LM head's loss and gradients in bf16 on a GPU, fused (the default there) against torch's ops."""
+    """The LM head's loss and gradients in bf16 on a GPU, fused (the default there) against torch's ops: d W within
+    a bf16 rounding in norm (the fused path sums each chunk's product unrounded in fp32, torch's ops round it to
+    bf16 first, so elements near zero differ by more than any elementwise tolerance)."""
     from disagmoe.model.loss import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -136,7 +138,7 @@ def test_gpu_the_fused_loss_trains_as_torchs_ops_do():
     (loss_f, dh_f, dw_f), (loss_t, dh_t, dw_t) = results
     torch.testing.assert_close(loss_f, loss_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dh_f, dh_t, rtol=2e-2, atol=1e-6)
-    torch.testing.assert_close(dw_f, dw_t, rtol=2e-2, atol=1e-6)
+    assert ((dw_f - dw_t).norm() / dw_t.norm()).item() < 4e-3
 
 
 @pytest.mark.gpu
