@@ -33,6 +33,11 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
   slice's four QGMMA.64xNx32 (the other three waited for the adds, whose weight-block scale was
   loaded in the same iteration), and the carry cost register copies every slice: 222 instructions
   a slice a warp against 154 now (compiled on a CPU: docs/measurements/gluon_slice_count.py, docs/benchmarks.md).
+  Session 45 (ncu, one H100: the tensor pipe 47% busy at 128 x 128, the L2 30%: the consumers wait, not the
+  traffic) tried a consumer issuing slice j+1's wgmma before waiting for slice j's (wait_group 1) and promoting
+  it, two slices a turn so that no product was copied: ptxas (sm_90a) serialises the wgmmas then (C7514, a
+  non-wgmma instruction reading a wgmma's accumulator inside its pipeline stage), and at 128 columns the second
+  product spills; it was dropped. The overlap has to come from the two consumers running out of phase.
 - epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
   straight from the wgmma layout, then goes on to the next item, whose stages the producer has
   been loading meanwhile; or, asked, through shared memory by TMA (`tma_store`, below).
@@ -171,10 +176,6 @@ BLOCK_NS = (64, 128)  # column tiles inside one 128-column weight block: one sb 
 # holds without spills (sm_90a, Triton 3.6). At 256 x 128 the two waves' sums leave it no registers: 184 bytes of
 # spill stores with a bf16 out, two accumulator registers stored and reloaded in every K slice (module docstring)
 TMA_STORE_TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64))
-# (block_m, block_n) tiles whose consumers overlap each promotion with the next slice's wgmma (`overlap=True`), with
-# either store: those ptxas holds without spills (sm_90a, Triton 3.6). A second product in flight at 128 columns
-# (64 registers a thread more) spills: 108 bytes at 128 x 128, 408 at 64 x 128 (one consumer, no setmaxnreg)
-OVERLAP_TILES = ((128, 64), (64, 64))
 # Whether the ring's mbarrier initialisations are fenced (`fence_async_shared`, fence.proxy.async) before
 # any TMA completes on them: the PTX rule for the async proxy's view of shared memory written by threads,
 # as DeepGEMM fences there. Until session 28 the kernels did not; the FFN's Gluon gate/up GEMM then
@@ -213,80 +214,13 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_pt
 
 
 @gluon.jit
-def _overlap_step(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptrs, sb_tile, row_ok, stride_sag, stride_sbg, j,
-                  count, landing, scale_M, acc_MN, zero_MN, CONSUMER: gl.constexpr, STAGES: gl.constexpr):
-    """One slice of `_overlapped_slices`: slice j's wgmma issued (stage count + 1) while slice j - 1's (stage
-    count, `landing`) is waited for (`warpgroup_mma_wait(1)`), its stage released and its product promoted with
-    its scales; then slice j's scales loaded, used a step later. Returns (slice j's wgmma in flight, its scales,
-    the sum)."""
-    nxt = count + 1
-    mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-    flying = warpgroup_mma(a_bufs.index(nxt % STAGES).slice(CONSUMER * _ROWS, _ROWS),
-                           b_bufs.index(nxt % STAGES).permute((1, 0)), zero_MN, use_acc=False, is_async=True)
-    part_MN = warpgroup_mma_wait(1, deps=(landing, ))
-    mbarrier.arrive(empty_bars.index(count % STAGES))
-    acc_MN = acc_MN + part_MN * scale_M[:, None]
-    next_scale_M = gl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0) * gl.load(sb_tile + j * stride_sbg)
-    return flying, next_scale_M, acc_MN
-
-
-@gluon.jit
-def _overlapped_slices(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptrs, sb_tile, row_ok, stride_sag, stride_sbg,
-                       slices, count, zero_MN, CONSUMER: gl.constexpr, STAGES: gl.constexpr):
-    """`_consumer`'s K loop of one item with each slice's promotion under the next slice's wgmma: slice j + 1's
-    wgmma is issued before slice j's is waited for (`warpgroup_mma_wait(1)`: two products in registers, one
-    landed and one in flight), so the tensor core is not idle while this warpgroup scales and adds (the stall
-    session 45 measured: the FP8 kernel's tensor pipe 47% busy at 128 rows). The loop takes two slices a turn,
-    the two products trading roles (`_overlap_step` twice): carried one slice a turn, ptxas moved the product's
-    registers every slice (at 128 x 128: 234 SASS instructions a slice a warp against the plain loop's 154, 81
-    MOVs against 13; session 33's carried product had the same copies); two a turn at 128 x 64, 145 a slice
-    against the plain loop's 124 (57 MOVs a turn against 26: one product still copied once a turn; compiled on
-    a CPU with docs/measurements/gluon_slice_count.py's count). An even number of slices runs the first alone,
-    waited for at once (a turn of two needs an odd count after the first issue). Stage j is released once its
-    wgmma has landed, a slice later than without it; the same products added in the same order, the same sums.
-    Unmeasured on a GPU (session 45). Returns (acc, the stages used so far)."""
-    acc_MN = zero_MN
-    first = 0
-    if slices % 2 == 0:  # slice 0 as the plain loop runs it
-        stage = count % STAGES
-        scale_M = gl.load(sa_ptrs, mask=row_ok, other=0.0) * gl.load(sb_tile)
-        mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
-        part = warpgroup_mma(a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS),
-                             b_bufs.index(stage).permute((1, 0)), zero_MN, use_acc=False, is_async=True)
-        part_MN = warpgroup_mma_wait(0, deps=(part, ))
-        mbarrier.arrive(empty_bars.index(stage))
-        acc_MN = acc_MN + part_MN * scale_M[:, None]
-        count += 1
-        first = 1
-    stage = count % STAGES
-    scale_a = (gl.load(sa_ptrs + first * stride_sag, mask=row_ok, other=0.0)
-               * gl.load(sb_tile + first * stride_sbg))
-    mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
-    wgmma_a = warpgroup_mma(a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS), b_bufs.index(stage).permute((1, 0)),
-                            zero_MN, use_acc=False, is_async=True)
-    for j in range(first + 1, slices, 2):  # slices - first - 1 is even: whole turns
-        wgmma_b, scale_b, acc_MN = _overlap_step(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptrs, sb_tile, row_ok,
-                                                 stride_sag, stride_sbg, j, count, wgmma_a, scale_a, acc_MN, zero_MN,
-                                                 CONSUMER, STAGES)
-        wgmma_a, scale_a, acc_MN = _overlap_step(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptrs, sb_tile, row_ok,
-                                                 stride_sag, stride_sbg, j + 1, count + 1, wgmma_b, scale_b, acc_MN,
-                                                 zero_MN, CONSUMER, STAGES)
-        count += 2
-    part_MN = warpgroup_mma_wait(0, deps=(wgmma_a, ))
-    mbarrier.arrive(empty_bars.index(count % STAGES))
-    return acc_MN + part_MN * scale_a[:, None], count + 1
-
-
-@gluon.jit
 def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
               num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
               out_desc, c_bufs, CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-              OVERLAP: gl.constexpr):
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     """One warpgroup's rows CONSUMER * 64 + [0, 64) of every item: per slice, the wgmma waited for,
     the stage released, the product added with the scales loaded a slice earlier (module
-    docstring), or with OVERLAP each promotion under the next slice's wgmma (`_overlapped_slices`),
-    then the store: masked from registers, or with TMA_STORE (`store_wave`) through
+    docstring), then the store: masked from registers, or with TMA_STORE (`store_wave`) through
     this warpgroup's epilogue buffer c_bufs[CONSUMER] where its 64 rows lie inside the group."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -301,29 +235,25 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
         row_ok = rows < row_end
         sa_ptrs = sa_ptr + rows.to(gl.int64) * stride_sam
         sb_tile = sb_ptr + (group % E_W).to(gl.int64) * stride_sbe + (pid_n * BLOCK_N // _SLICE) * stride_sbb
-        if OVERLAP:
-            acc_MN, count = _overlapped_slices(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptrs, sb_tile, row_ok,
-                                               stride_sag, stride_sbg, slices, count, zero_MN, CONSUMER, STAGES)
-        else:
-            acc_MN = zero_MN
-            # slice 0's scales; each slice then loads the next one's, a slice ahead of their use (the
-            # last slice loads its own again: an in-bounds, unused load)
-            sa_M = gl.load(sa_ptrs, mask=row_ok, other=0.0)
-            sb = gl.load(sb_tile)
-            for j in range(slices):
-                stage = count % STAGES
-                scale_M = sa_M * sb
-                ahead = gl.minimum(j + 1, slices - 1)
-                sa_M = gl.load(sa_ptrs + ahead * stride_sag, mask=row_ok, other=0.0)
-                sb = gl.load(sb_tile + ahead * stride_sbg)
-                mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
-                a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
-                b_view = b_bufs.index(stage).permute((1, 0))  # [128, BLOCK_N], K-major as wgmma reads it
-                part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
-                part_MN = warpgroup_mma_wait(0, deps=(part, ))
-                mbarrier.arrive(empty_bars.index(stage))  # the stage is free once the wgmma has read it
-                acc_MN = acc_MN + part_MN * scale_M[:, None]  # under the other consumer's wgmma
-                count += 1
+        acc_MN = zero_MN
+        # slice 0's scales; each slice then loads the next one's, a slice ahead of their use (the
+        # last slice loads its own again: an in-bounds, unused load)
+        sa_M = gl.load(sa_ptrs, mask=row_ok, other=0.0)
+        sb = gl.load(sb_tile)
+        for j in range(slices):
+            stage = count % STAGES
+            scale_M = sa_M * sb
+            ahead = gl.minimum(j + 1, slices - 1)
+            sa_M = gl.load(sa_ptrs + ahead * stride_sag, mask=row_ok, other=0.0)
+            sb = gl.load(sb_tile + ahead * stride_sbg)
+            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+            a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
+            b_view = b_bufs.index(stage).permute((1, 0))  # [128, BLOCK_N], K-major as wgmma reads it
+            part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
+            part_MN = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty_bars.index(stage))  # the stage is free once the wgmma has read it
+            acc_MN = acc_MN + part_MN * scale_M[:, None]  # under the other consumer's wgmma
+            count += 1
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         store_consumer_rows(acc_MN, rows, row_ok, cols, row0 + CONSUMER * _ROWS, row_end, pid_n * BLOCK_N, out_desc,
                             c_bufs, out_ptr, stride_om, stride_on, CONSUMER, _ROWS, TMA_STORE)
@@ -414,8 +344,7 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, out_pt
                                 num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
                                 stride_on, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr, TMA_STORE: gl.constexpr,
-                                OVERLAP: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr, TMA_STORE: gl.constexpr):
     # Contract: `gluon_fp8_rows_gemm`'s, checked there. The partitions' arguments are written
     # inline in the warp_specialize call: a tuple assigned to a name first turns its constexprs
     # into tensors (Triton 3.6's front end), which the layouts and shapes cannot take.
@@ -445,11 +374,11 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, out_pt
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                          num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
                          stride_on, out_desc, c_bufs, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES,
-                         TMA_STORE, OVERLAP)),
+                         TMA_STORE)),
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                          num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
                          stride_on, out_desc, c_bufs, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES,
-                         TMA_STORE, OVERLAP)),
+                         TMA_STORE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
                          num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -458,7 +387,7 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, out_pt
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                          num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
                          stride_on, out_desc, c_bufs, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES,
-                         TMA_STORE, OVERLAP)),
+                         TMA_STORE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
                          num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         ], [1], [PRODUCER_REGS])
@@ -681,7 +610,6 @@ def gluon_fp8_rows_gemm(
     stages: int = 4,
     num_programs: int | None = None,
     tma_store: bool = False,
-    overlap: bool = False,
 ) -> torch.Tensor:
     """`fp8.fp8_rows_gemm`'s plain epilogue: out[rows_g] = dequant(a[rows_g]) @ dequant(b[g mod E])
     for every row group g of `offsets_E` (int32 cumulative row counts, a multiple of E groups,
@@ -692,12 +620,8 @@ def gluon_fp8_rows_gemm(
     only be compiled). `tma_store` (off here, a run's default: module docstring): each 64-row wave
     wholly inside its group written through shared memory and stored by TMA, not waited for until
     its buffer's next use, on the tiles of `TMA_STORE_TILES`; where `out` cannot take a TMA
-    descriptor (`tma_store_takes`) the masked store, as without it. `overlap` (the tiles of `OVERLAP_TILES`): each
-    slice's scale promotion under the next slice's wgmma (`_overlapped_slices`); the same sums."""
+    descriptor (`tma_store_takes`) the masked store, as without it."""
     _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n)
-    if overlap and (block_m, block_n) not in OVERLAP_TILES:
-        raise ValueError(f"overlap=True runs the tiles {OVERLAP_TILES} (block_m, block_n): at {block_m} x {block_n} "
-                         f"the second product in flight spills registers (sm_90a); use block_n=64, or overlap=False")
     if tma_store and (block_m, block_n) not in TMA_STORE_TILES:
         raise ValueError(f"tma_store=True runs the tiles {TMA_STORE_TILES}: at {block_m} x {block_n} ptxas spills "
                          f"registers of the K loop for its epilogue (sm_90a, module docstring); use one of those tiles "
@@ -728,7 +652,7 @@ def gluon_fp8_rows_gemm(
         sa_MG.stride(0), sa_MG.stride(1), *sb_EGB.stride(), out.stride(0), out.stride(1),
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, TMA_STORE=by_tma,
-        OVERLAP=overlap, num_warps=4, maxnreg=MAXNREG if block_m >= 2 * CONSUMER_ROWS else None)
+        num_warps=4, maxnreg=MAXNREG if block_m >= 2 * CONSUMER_ROWS else None)
     return out
 
 

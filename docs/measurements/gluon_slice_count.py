@@ -1,6 +1,5 @@
 # The Gluon FP8 row GEMM's K-slice loop compiled for sm_90a on a CPU (Triton 3.6's ptxas), Mixtral's down GEMM at 128 x 128:
 # instructions a warp per 128-deep slice. Run from the repository root: python docs/measurements/gluon_slice_count.py MODULE.py
-# [overlap] [block_n=64] (session 45: the overlapped promotion, whose loop takes two slices a turn: counted a turn)
 import importlib.util, re, sys, torch
 from triton.compiler import compile, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -19,9 +18,7 @@ JITFunction.run = compile_only
 E, rows, K, N, FP8 = 8, 2048, 14336, 4096, torch.float8_e4m3fn  # Mixtral's down GEMM, 128 x 128, 4 stages
 fg.gluon_fp8_rows_gemm(torch.empty(E * rows, K, dtype=FP8), torch.ones(E * rows, K // 128),
                        torch.full((E,), rows).cumsum(0).to(torch.int32), torch.empty(E, N, K, dtype=FP8).transpose(1, 2),
-                       torch.ones(E, K // 128, N // 128), num_programs=132,
-                       **({"overlap": True} if "overlap" in sys.argv[2:] else {}),
-                       **{k: int(v) for k, v in (a.split("=") for a in sys.argv[2:] if a.startswith("block_n="))})
+                       torch.ones(E, K // 128, N // 128), num_programs=132)
 ins = [(int(m.group(1), 16), m.group(2)) for l in sass_of(built[0]).splitlines()
        if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", l))]
 addr = {a: i for i, (a, _) in enumerate(ins)}
@@ -30,9 +27,9 @@ for i, (a, t) in enumerate(ins):  # loops: a backward branch; the innermost hold
     m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", t)
     if m and int(m.group(1), 16) < a and int(m.group(1), 16) in addr:
         body = [x for _, x in ins[addr[int(m.group(1), 16)]:i + 1]]
-        if sum("QGMMA" in x for x in body) in (4, 8):  # one slice a turn, or two
+        if sum("QGMMA" in x for x in body) == 4:
             loops.append(body)
 body = min(loops, key=len)
 count = lambda op: sum(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] == op for x in body)
-print(f"K-slice loop: {len(body)} instructions a warp, QGMMA {sum('QGMMA' in x for x in body)}, FFMA {count('FFMA')}, "
+print(f"K-slice loop: {len(body)} instructions a warp, QGMMA 4, FFMA {count('FFMA')}, "
       f"MOV {count('MOV') + count('IMAD.MOV.U32')}, spills {ptxas_usage(built[0].asm['ptx'])[1]} bytes")

@@ -36,37 +36,40 @@ def compile_for_hopper(fn: JITFunction, backend, args: tuple, kwargs: dict):
     return compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
 
 
-_PTXAS_USAGE: dict[str, tuple[int, int]] = {}  # sha256 of a PTX -> its `ptxas_usage`
+_PTXAS_REPORTS: dict[str, str] = {}  # sha256 of a PTX -> its `ptxas_report`
 
 
 def ptxas_usage(ptx: str) -> tuple[int, int]:
     """ptxas -v's (registers per thread, spill stores in bytes) for `ptx` on sm_90a, with the ptxas
     Triton ships; once per distinct PTX in a process (the tests compile some kernels alike: 224 calls
     on 177 PTX texts in one process)."""
-    import hashlib
-
-    key = hashlib.sha256(ptx.encode()).hexdigest()
-    if key not in _PTXAS_USAGE:
-        _PTXAS_USAGE[key] = _run_ptxas_v(ptx)
-    return _PTXAS_USAGE[key]
-
-
-def _run_ptxas_v(ptx: str) -> tuple[int, int]:
     import re
+
+    report = ptxas_report(ptx)
+    return (int(re.search(r"Used (\d+) registers", report).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+
+
+def ptxas_report(ptx: str) -> str:
+    """ptxas -v's report (stderr) for `ptx` on sm_90a, with the ptxas Triton ships: its usage lines and its
+    advisories (e.g. wgmma serialised for want of registers); once per distinct PTX in a process."""
+    import hashlib
     import subprocess
     import tempfile
     from pathlib import Path
 
     import triton
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "k.ptx"
-        source.write_text(ptx)
-        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(tmp) / "k.o")],
-                                capture_output=True, text=True, check=True).stderr
-    return (int(re.search(r"Used (\d+) registers", report).group(1)),
-            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+    key = hashlib.sha256(ptx.encode()).hexdigest()
+    if key not in _PTXAS_REPORTS:
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "k.ptx"
+            source.write_text(ptx)
+            _PTXAS_REPORTS[key] = subprocess.run(
+                [str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(tmp) / "k.o")],
+                capture_output=True, text=True, check=True).stderr
+    return _PTXAS_REPORTS[key]
 
 
 def sass_of(kernel) -> str:
