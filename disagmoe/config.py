@@ -1065,8 +1065,9 @@ class TrainConfig(StrictModel):
         256, description="offload_optimizer: MiB of masters and moments per staging bucket (two are held on "
         "the GPU; bf16 moments add one bucket's elements of fp32 scratch for the update)")
     fuse_elementwise: bool = Field(
-        True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
-        "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
+        True, description="on CUDA, compile the norms (the FFN norm with the attention's residual add), qk-norm and "
+        "RoPE with torch.compile into fused kernels (forward and backward; a few seconds of compiling at the first "
+        "step); CPU runs are never compiled")
     fused_loss: bool = Field(
         True, description="on CUDA, each chunk of the LM head's logits runs its softmax, loss and gradient as one "
         "Triton pass (kernels/cross_entropy.py: 6 bytes of HBM traffic a bf16 logit) and each chunk's weight "
