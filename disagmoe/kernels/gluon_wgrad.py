@@ -200,6 +200,10 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, out_ptr, out_
         acc_MN, count = _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, offsets_ptr, expert, E,
                                     E_W, acc_MN, count, item_first, CONSUMER, STAGES)
         if PAIRED:
+            # the first set's last wgmma landed before its sum enters the second set's loop: carried across the
+            # two loops in flight, ptxas copied its accumulator registers under it and serialised every wgmma of
+            # the kernel (its C7515 advisory, found in session 45)
+            acc_MN = warpgroup_mma_wait(0, deps=(acc_MN, ))
             acc_MN, count = _sum_groups(a_bufs, b_bufs, ready_bars, empty_bars, zeroed_bars, offsets2_ptr, expert,
                                         E_W, E_W, acc_MN, count, item_first, CONSUMER, STAGES)
         acc_MN = warpgroup_mma_wait(0, deps=(acc_MN, ))

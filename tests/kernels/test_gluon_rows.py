@@ -49,7 +49,7 @@ def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, bloc
     register reallocation where 12 warps share the file, bulk tensor stores with tma_store; ptxas
     (sm_90a): no spill stores and at most MAXNREG registers where 12 warps share the file; the block's
     shared memory the ring's stages and the store's buffers, within the limit."""
-    from tests.kernels.test_compile_for_hopper import ptxas_usage
+    from tests.kernels.test_compile_for_hopper import ptxas_report, ptxas_usage
 
     a, offsets, b = _operands([300, 0, 5, 700], 512, 512, layout)
     out = torch.empty(a.shape[0], 512, dtype=torch.bfloat16)
@@ -66,6 +66,7 @@ def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, bloc
         assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     registers, spilled = ptxas_usage(ptx)
     assert spilled == 0, f"{block_m} x {block_n} ({layout}): {spilled} bytes of spill stores"
+    assert "serialized" not in ptxas_report(ptx)  # ptxas's C7514/C7515: the wgmmas serialised
     if block_m == 128:
         assert registers <= fg.MAXNREG
     shared = stages * gr.ring_stage_bytes(block_m, block_n)
@@ -102,7 +103,7 @@ def test_the_swiglu_kernel_compiles_warp_specialised_without_spills(hopper_build
     (wait_group 2), the exponential of the SiLU, act's bulk tensor stores with tma_store; ptxas (sm_90a): no
     spill stores, at most MAXNREG registers where 12 warps share the file; shared memory the ring's stages of
     an A and two B boxes and act's store buffers."""
-    from tests.kernels.test_compile_for_hopper import ptxas_usage
+    from tests.kernels.test_compile_for_hopper import ptxas_report, ptxas_usage
 
     x, offsets, w13 = _operands([300, 0, 5, 700], 512, 1024, "n-major")
     h13 = torch.empty(x.shape[0], 1024, dtype=torch.bfloat16) if save_h13 else None
@@ -116,6 +117,7 @@ def test_the_swiglu_kernel_compiles_warp_specialised_without_spills(hopper_build
     assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) == tma_store
     registers, spilled = ptxas_usage(ptx)
     assert spilled == 0, f"{block_m} x {block_n}: {spilled} bytes of spill stores"
+    assert "serialized" not in ptxas_report(ptx)
     if block_m == 128:
         assert registers <= fg.MAXNREG
     shared = stages * gr.ring_stage_bytes(block_m, block_n, b_boxes=2)

@@ -59,8 +59,9 @@ def test_each_offered_tile_compiles_warp_specialised_without_spills(hopper_build
     the tile's N with A read transposed from shared memory (both operands MN-major: the rows' KA and C are their
     contiguous dims), one kept in flight, the partial chunk's zeroing fenced for the async proxy; the main
     gradient reduce-added by TMA (TMA epilogue), by fp32 reductions (atomic) or loaded and stored; ptxas
-    (sm_90a): no spill stores, at most MAXNREG registers; shared memory the ring and the epilogue's buffers."""
-    from tests.kernels.test_compile_for_hopper import ptxas_usage
+    (sm_90a): no spill stores, at most MAXNREG registers, the wgmmas not serialised; shared memory the ring and
+    the epilogue's buffers."""
+    from tests.kernels.test_compile_for_hopper import ptxas_report, ptxas_usage
 
     a, b, offsets = _rows([200, 0, 64, 333], 512, 768)
     out = torch.zeros(4, 512, 768)
@@ -83,6 +84,7 @@ def test_each_offered_tile_compiles_warp_specialised_without_spills(hopper_build
     registers, spilled = ptxas_usage(ptx)
     assert spilled == 0, f"block_n {block_n}, {stages} stages: {spilled} bytes of spill stores"
     assert registers <= gra.MAXNREG
+    assert "serialized" not in ptxas_report(ptx)
     shared = stages * gw.stage_bytes(block_n) + (gw.epilogue_buffer_bytes(block_n, 4) if tma_epilogue else 0)
     assert shared <= kernel.metadata.shared <= gra.SHARED_MEMORY_BYTES
 
@@ -90,8 +92,10 @@ def test_each_offered_tile_compiles_warp_specialised_without_spills(hopper_build
 @pytest.mark.slow
 def test_the_paired_and_banded_forms_compile_without_spills(hopper_builds):
     """`second` (the next micro-batch's rows: its own A and B descriptors) and banded offsets (groups over
-    fewer weights) compile without spills (ptxas, sm_90a)."""
-    from tests.kernels.test_compile_for_hopper import ptxas_usage
+    fewer weights) compile without spills (ptxas, sm_90a), and without ptxas serialising the wgmmas (its
+    C7514/C7515 advisories: until session 45 the paired form carried the first set's sum into the second's loop
+    with a wgmma in flight, and every wgmma of it was serialised)."""
+    from tests.kernels.test_compile_for_hopper import ptxas_report, ptxas_usage
 
     a, b, offsets = _rows([200, 0, 64, 333], 256, 256)
     a2, b2, offsets2 = _rows([5, 64, 0, 100], 256, 256, seed=1)
@@ -104,6 +108,7 @@ def test_the_paired_and_banded_forms_compile_without_spills(hopper_builds):
     for kernel in (paired, banded):
         registers, spilled = ptxas_usage(kernel.asm["ptx"])
         assert spilled == 0 and registers <= gra.MAXNREG
+        assert "serialized" not in ptxas_report(kernel.asm["ptx"])
 
 
 @pytest.mark.slow
