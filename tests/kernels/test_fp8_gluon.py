@@ -251,8 +251,9 @@ def test_the_weight_gradient_compiles_warp_specialised_without_spills(hopper_bui
 @pytest.mark.slow
 def test_the_paired_weight_gradient_compiles_without_spills(hopper_builds):
     """`second` (the next micro-batch's row set, `kernels.wgrad_pairs`): both sets' chunks in one launch,
-    the producer copying each set's tiles and scales by its own descriptors, no spills (ptxas, sm_90a)."""
-    from tests.kernels.test_compile_for_hopper import ptxas_usage
+    the producer copying each set's tiles and scales by its own descriptors, no spills (ptxas, sm_90a) and no
+    serialised wgmmas (the bf16 Gluon kernel's paired form had them until session 45)."""
+    from tests.kernels.test_compile_for_hopper import ptxas_report, ptxas_usage
 
     a, b, padded = _cpu_wgrad_operands([256, 0, 128, 384], 512, 384)
     a2, b2, padded2 = _cpu_wgrad_operands([128, 128, 0, 256], 512, 384)
@@ -264,6 +265,7 @@ def test_the_paired_weight_gradient_compiles_without_spills(hopper_builds):
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 4  # each set's A and B boxes
     registers, spilled = ptxas_usage(ptx)
     assert spilled == 0 and registers <= fg.MAXNREG
+    assert "serialized" not in ptxas_report(ptx)
     with pytest.raises(ValueError, match="one group each"):
         fg.gluon_fp8_weight_grad(a, b, padded, num_programs=4, second=(a2, b2, padded2[:2]))
 
