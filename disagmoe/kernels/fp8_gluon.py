@@ -37,7 +37,14 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
   traffic) tried a consumer issuing slice j+1's wgmma before waiting for slice j's (wait_group 1) and promoting
   it, two slices a turn so that no product was copied: ptxas (sm_90a) serialises the wgmmas then (C7514, a
   non-wgmma instruction reading a wgmma's accumulator inside its pipeline stage), and at 128 columns the second
-  product spills; it was dropped. The overlap has to come from the two consumers running out of phase.
+  product spills; it was dropped. Session 46 read the same record's crossbar metric (the bytes the L2 delivered
+  into the SMs, `docs/measurements/ncu_xbar_demand.py`): 7.0 TB/s at 128 x 128 and 7.2 at 256 x 128, where the bf16
+  Triton kernel of the same call moved 9.4 at a 97% busy tensor pipe; at a fully busy pipe the FP8 kernel would
+  need 14.7 and 11.2 TB/s (FP8 doubles the FLOP rate, so a tile of the same size needs twice the bytes a second).
+  At the bf16 kernel's rate that caps 128 x 128 near 64% and 256 x 128 near 84%: the L2-to-SM bandwidth, not the
+  L2's own throughput, is the 128-row tile's bound, and only bytes per FLOP lift it (larger tiles, which the
+  registers refuse past 256 x 128, or TMA multicast across a cluster, which Gluon 3.6's
+  `tma.async_copy_global_to_shared` does not offer: it takes no CTA mask).
 - epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
   straight from the wgmma layout, then goes on to the next item, whose stages the producer has
   been loading meanwhile; or, asked, through shared memory by TMA (`tma_store`, below).
