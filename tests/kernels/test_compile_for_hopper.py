@@ -188,6 +188,34 @@ def test_the_expert_ffn_and_the_permute_compile(compiled):
     assert "_block_histogram_kernel" in compiled
 
 
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_the_combine_loads_every_destination_before_its_first_sum(monkeypatch, top_k):
+    """The combine's forward is compiled per top-k with its k loop unrolled (`permute.combine_forward`): no loop
+    in its SASS, every 32-bit load (the pairs' destinations and weights) issued before the first FFMA of the sum,
+    so each program waits for one round trip of them, not one per k; no spills at the Qwen3 config's hidden."""
+    import re
+
+    from disagmoe.kernels import permute
+
+    backend, built = make_backend(HOPPER), []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: built.append(
+        compile_for_hopper(self, backend, args, kwargs)))
+    tokens, hidden = 64, 2048
+    permute.combine_forward(torch.zeros(tokens * top_k, hidden, dtype=torch.bfloat16),
+                            torch.zeros(tokens, top_k, dtype=torch.int32), torch.zeros(tokens, top_k),
+                            residual_TH=torch.zeros(tokens, hidden, dtype=torch.bfloat16))
+    (kernel,) = built
+    assert ptxas_usage(kernel.asm["ptx"])[1] == 0
+    ins = [(int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2)))
+           for line in sass_of(kernel).splitlines() if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line))]
+    backward_branches = [a for a, text in ins if (m := re.match(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text))
+                         and int(m.group(1), 16) < a]
+    assert backward_branches == []  # no k loop
+    ops = [text.split()[0] for _, text in ins]
+    first_sum = ops.index("FFMA")
+    assert ops[first_sum:].count("LDG.E") == 0 and ops[:first_sum].count("LDG.E") >= 2 * top_k
+
+
 def test_the_banded_weight_grads_compile(compiled):
     """The weight gradients over G = 2 x E row groups (segment-major order): the backward's two
     launches into fp32 main gradients, and a flattening tile config (not applied when banded)."""
