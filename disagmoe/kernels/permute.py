@@ -236,12 +236,15 @@ def combine_forward(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
     `limit` (a one-element int32 device tensor) rows at or after it count as zero; with `residual_TH`
     (rows of unit stride) y_TH[t] = residual_TH[t] + that sum, rounded once.
 
-    The kernel is compiled per top-k, its k loop unrolled, at 128 columns a program: session 45's profile of the
-    Qwen3 config's 3-layer step (one H100) had it at 5.88 ms a step against 4.84 for the combine's backward, which
-    moves about 1.7x its bytes (it reads the rows too and writes their gradients). With k a loop variable each
-    program waited for a destination load, then for its row gather, 2 x top-k round trips in sequence; unrolled,
-    every destination and weight is loaded first and the gathers overlap (ptxas sm_90a: 68 registers a thread
-    at 128 columns, 106 at 256, whose occupancy would hold fewer gathers in flight an SM)."""
+    The kernel is compiled per top-k, its k loop unrolled, at 128 columns a program, so that every destination
+    and weight is loaded first and the row gathers overlap; with k a loop variable each program waited for a
+    destination load and then for its gather, 2 x top-k round trips in sequence. What it was worth before: session
+    45's profile of the Qwen3 config's 3-layer step (one H100) had this kernel at 5.88 ms a step over its 12
+    launches (the combine and the permute's backward, a layer and micro-batch), about 2.6 TB/s for their bytes,
+    some 78% of the H100's HBM rate (3.35 TB/s); the unrolled form is not yet timed on a GPU.
+    ptxas (sm_90a): 68 registers a thread at 128 columns, 106 at 256, whose occupancy would hold fewer gathers in
+    flight an SM.
+    """
     tokens, top_k = dest_TK.shape
     hidden = rows_NH.shape[1]
     if residual_TH is not None and (residual_TH.shape != (tokens, hidden) or residual_TH.stride(1) != 1):
