@@ -3,7 +3,7 @@
 Issue 20 item 2 holds the expert weight gradients to 1.3x of max(FLOPs / matmul ceiling, bytes /
 HBM) for their own traffic; this makes that ratio a product figure, and the same for the step's
 memory-bound passes whose bytes the roofline defines (the FP8 token-group quantiser and weight
-copies, the AdamW update): how far each sits from the copy rate. A family is the kernels whose
+copies, the permute and combine, the AdamW update): how far each sits from the copy rate. A family is the kernels whose
 names hold one of its keys; the work a step asks of it is the roofline's own stage
 (`roofline.stages`, the definition the planner prices and `bench calibrate` fits), summed over the
 step's MoE layers and micro-batches of `mode: single` on one GPU; its bound is that work's time under
@@ -24,7 +24,8 @@ from disagmoe.placement.cost import FP8_FORWARD_SHARES
 from disagmoe.roofline.memory import fp8_token_group_rows, fp8_weight_copy_bytes, fp8_weight_copy_shares
 from disagmoe.roofline.params import count_params
 from disagmoe.roofline.stages import (BF16, FP8_TOKEN_GROUP_BYTES, Work, adamw_update_bytes, dense_fp8_weight_copies,
-                                      dense_fp8_weights, expert_weight_grads, main_grad_passes, routed_experts)
+                                      dense_fp8_weights, expert_weight_grads, main_grad_passes, permute,
+                                      routed_experts)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,19 @@ def _adamw_update(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     return Work(hbm_bytes=count_params(m).total * (read + written))
 
 
+def _permute_and_combine(cfg: TrainConfig, m: ModelConfig) -> Work | str:
+    """The Triton permute and weighted combine around the routed experts (`kernels.permute`: the row copy, the
+    combine, and in the backward the combine's gradients and the permute's, a combine without weights), as the
+    planner prices them: `roofline.stages.permute`'s bytes for the forward and again for the backward, a layer
+    and micro-batch, the forward once more under `recompute: full`. Rows selective recomputation gathers again
+    run the same row copy and are not counted (the ratio reads high there)."""
+    if cfg.experts_backend != "triton":
+        return f"experts_backend: {cfg.experts_backend} runs no Triton permute or combine"
+    micro_batches, rows = _micro_batch_rows(cfg, m)
+    passes = 3 if cfg.recompute == "full" else 2
+    return permute(m, rows).scale(passes * micro_batches * m.num_moe_layers)
+
+
 # torch._grouped_mm's CUTLASS kernels, where a tuned tile routes a bf16 row GEMM to the library (`TileConfig.library`):
 # their mangled names hold the grouped problem shape and the pointer-array schedule; a step's dense projections run
 # cuBLAS's (nvjet) kernels, and its FP8 rowwise projections CUTLASS GEMMs without either
@@ -173,6 +187,8 @@ FAMILIES = (
     # (not `_quantize_rows_and_token_groups`, the one-pass quantiser no step runs)
     KernelFamily("FP8 token-group quantiser", ("_quantize_token_groups",), _fp8_token_groups),
     KernelFamily("FP8 weight copies", ("_quantize_blocks",), _fp8_weight_copies),
+    KernelFamily("permute and combine", ("_permute_copy_kernel", "_combine_kernel", "_combine_backward_kernel"),
+                 _permute_and_combine),
     KernelFamily("AdamW update", ("_adamw_kernel",), _adamw_update),
 )
 

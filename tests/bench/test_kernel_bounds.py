@@ -227,3 +227,23 @@ def test_the_expert_row_gemms_are_set_against_the_matmul_ceiling_of_their_precis
         assert row["tflop"] == pytest.approx(thirds * third / 1e12) and row["bound"] == "compute" and row["gb"] == 0
         assert row["ms_per_step"] == measured
         assert row["bound_ms_per_step"] == pytest.approx(thirds * third / (ceiling * scale) * 1e3)
+
+
+def test_the_permute_and_combine_are_set_against_the_planners_permute_stage():
+    """The Triton permute's row copy, the combine and its backward (the permute's backward is the combine kernel
+    again): `roofline.stages.permute`'s bytes for the forward and the backward of every MoE layer and
+    micro-batch, 4 bf16 passes over each routed row a pass, the forward once more under `recompute: full`; at
+    the HBM rate; the library experts say why they price none."""
+    m = load_model("qwen3-30b-a3b")
+    kernels = {"_permute_copy_kernel": 1.0, "_combine_kernel": 2.0, "_combine_backward_kernel": 1.5,
+               "_combine_landed_kernel": 9.0}
+    rows = 16 // 2 * 4096 * m.top_k  # a micro-batch's routed rows
+    for fields, passes in ((dict(), 2), (dict(recompute="full"), 3)):
+        row = _families(_cfg(**fields), m, kernels)["permute and combine"]
+        assert row["ms_per_step"] == pytest.approx(4.5)  # not the fused return's landed combine
+        assert row["bound"] == "hbm" and row["tflop"] == 0.0
+        assert row["gb"] == pytest.approx(passes * 2 * m.num_moe_layers * 4 * 2 * rows * m.hidden_size / 1e9)
+        hbm_bytes_per_s = Ceilings.of(load_hardware("h200-sxm-calibrated")).hbm_bytes_per_s
+        assert row["bound_ms_per_step"] == pytest.approx(row["gb"] * 1e9 / hbm_bytes_per_s * 1e3)
+    library = _families(_cfg(experts_backend="grouped_mm"), m, kernels)["permute and combine"]
+    assert "runs no Triton permute" in library["note"]
