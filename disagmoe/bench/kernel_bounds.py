@@ -24,8 +24,7 @@ from disagmoe.placement.cost import FP8_FORWARD_SHARES
 from disagmoe.roofline.memory import fp8_token_group_rows, fp8_weight_copy_bytes, fp8_weight_copy_shares
 from disagmoe.roofline.params import count_params
 from disagmoe.roofline.stages import (BF16, FP8_TOKEN_GROUP_BYTES, Work, adamw_update_bytes, dense_fp8_weight_copies,
-                                      dense_fp8_weights, expert_weight_grads, main_grad_passes, permute,
-                                      routed_experts)
+                                      dense_fp8_weights, expert_weight_grads, main_grad_passes, routed_experts)
 
 
 @dataclass(frozen=True)
@@ -157,16 +156,21 @@ def _adamw_update(cfg: TrainConfig, m: ModelConfig) -> Work | str:
 
 
 def _permute_and_combine(cfg: TrainConfig, m: ModelConfig) -> Work | str:
-    """The Triton permute and weighted combine around the routed experts (`kernels.permute`: the row copy, the
-    combine, and in the backward the combine's gradients and the permute's, a combine without weights), as the
-    planner prices them: `roofline.stages.permute`'s bytes for the forward and again for the backward, a layer
-    and micro-batch, the forward once more under `recompute: full`. Rows selective recomputation gathers again
-    run the same row copy and are not counted (the ratio reads high there)."""
+    """The Triton permute and weighted combine around the routed experts (`kernels.permute`, the block's fused
+    path), by the bytes its kernels move to and from HBM, bf16 rows of H values, a layer and micro-batch of T tokens
+    and N = T x top-k rows: the forward's row copy (T read, N written: a token's top-k copies read it from the L2)
+    and combine (N and the residual's T read, T written); the backward's combine gradient (dy's T and the N rows
+    read, their N gradients written) and the permute's backward, a combine without weights (N read, T written):
+    5 N + 5 T rows in all, the forward's 2 N + 3 T once more under `recompute: full`. Not the planner's permute
+    stage (`roofline.stages.permute`: 4 N rows each way, the bytes its calibrated HBM fraction was fitted to),
+    which would put these kernels below their bound; rows selective recomputation gathers again run the same row
+    copy and are not counted (the ratio reads high there); the routing weights' gradients are negligible."""
     if cfg.experts_backend != "triton":
         return f"experts_backend: {cfg.experts_backend} runs no Triton permute or combine"
     micro_batches, rows = _micro_batch_rows(cfg, m)
-    passes = 3 if cfg.recompute == "full" else 2
-    return permute(m, rows).scale(passes * micro_batches * m.num_moe_layers)
+    tokens = rows // m.top_k
+    moved = 5 * rows + 5 * tokens + ((2 * rows + 3 * tokens) if cfg.recompute == "full" else 0)
+    return Work(hbm_bytes=float(moved * m.hidden_size * BF16 * micro_batches * m.num_moe_layers))
 
 
 # torch._grouped_mm's CUTLASS kernels, where a tuned tile routes a bf16 row GEMM to the library (`TileConfig.library`):
