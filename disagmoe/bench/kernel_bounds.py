@@ -167,6 +167,9 @@ def _permute_and_combine(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     copy and are not counted (the ratio reads high there); the routing weights' gradients are negligible."""
     if cfg.experts_backend != "triton":
         return f"experts_backend: {cfg.experts_backend} runs no Triton permute or combine"
+    if cfg.expert_precision == "fp8":
+        return ("precision fp8: the row copy moves e4m3 rows and their scales, and skips the bf16 rows where no "
+                "GEMM reads them (not priced here)")
     micro_batches, rows = _micro_batch_rows(cfg, m)
     tokens = rows // m.top_k
     moved = 5 * rows + 5 * tokens + ((2 * rows + 3 * tokens) if cfg.recompute == "full" else 0)

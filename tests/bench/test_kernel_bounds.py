@@ -249,3 +249,5 @@ def test_the_permute_and_combine_are_set_against_the_bytes_their_kernels_move():
         assert row["bound_ms_per_step"] == pytest.approx(row["gb"] * 1e9 / hbm_bytes_per_s * 1e3)
     library = _families(_cfg(experts_backend="grouped_mm"), m, kernels)["permute and combine"]
     assert "runs no Triton permute" in library["note"]
+    fp8 = _families(_cfg(precision="fp8"), m, kernels)["permute and combine"]
+    assert "e4m3 rows" in fp8["note"] and "gb" not in fp8
