@@ -3,9 +3,10 @@
 Issue 20 item 2 holds the expert weight gradients to 1.3x of max(FLOPs / matmul ceiling, bytes /
 HBM) for their own traffic; this makes that ratio a product figure, and the same for the step's
 memory-bound passes whose bytes the roofline defines (the FP8 token-group quantiser and weight
-copies, the permute and combine, the AdamW update): how far each sits from the copy rate. A family is the kernels whose
-names hold one of its keys; the work a step asks of it is the roofline's own stage
-(`roofline.stages`, the definition the planner prices and `bench calibrate` fits), summed over the
+copies, the permute and combine, the AdamW update): how far each sits from the copy rate. A family
+is the kernels whose names hold one of its keys; the work a step asks of it is the roofline's own
+stage (`roofline.stages`, the definition the planner prices and `bench calibrate` fits; the permute
+and combine by their kernels' own bytes, which that stage overstates: `_permute_and_combine`), summed over the
 step's MoE layers and micro-batches of `mode: single` on one GPU; its bound is that work's time under
 the config's hardware preset (`Ceilings.of`: with a calibrated preset the measured matmul fraction
 and HBM rate, with a datasheet one its efficiency factors, so there the ratio reads low). Pure

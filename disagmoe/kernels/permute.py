@@ -89,8 +89,9 @@ def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, limit_ptr, residual_
     # y[t, hs] = sum_k w[t, k] * rows[dest[t, k], hs] (w = 1 without weights), fp32 accumulation in k order;
     # HAS_LIMIT: rows at or after *limit_ptr (a spare bucket nothing wrote) count as zero;
     # HAS_RESIDUAL: residual[t, hs] added to the fp32 sum before its one rounding.
-    # K is a constexpr and the loop unrolled (`combine_forward`: why): no store between the loads, so the K
-    # destination loads and then the K row gathers are issued back to back, two memory round trips a program.
+    # K is a constexpr and the loop unrolled (`combine_forward`: why): no store between the loads, so every
+    # destination and weight is loaded before the first sum and the row gathers are free to overlap (ptxas
+    # interleaves them with the sums as its registers allow).
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tok_ok = tokens < n_tokens
