@@ -3,6 +3,7 @@ real expert mapping, and the memory an expert map implies."""
 
 import itertools
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ from disagmoe.placement.cost import Candidates, _pass_time, evaluate, expert_lay
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.solver import price, problem_of, solve
 from disagmoe.roofline.params import expert_params
+
+# the H200 calibration of probe version 6 (the committed preset until session 47), for the FP8 pricing of that version
+H200_CALIBRATED_V6 = Path(__file__).parent / "data" / "h200-sxm-calibrated-v6.yaml"
 
 
 def simulate_ring(a, d, e, c, p, m, layers):
@@ -603,14 +607,14 @@ def test_which_backward_stages_a_measured_fp8_curve_prices_by_the_recipe_it_was_
 
 @pytest.mark.parametrize("forward", ["both", "gate-up", "down"])
 def test_the_committed_fp8_curve_prices_the_default_backward_as_its_probe_version_measured_it(forward):
-    """h200-sxm-calibrated (probe version 6: its FP8 curve measured under the default bf16-wgrad) and
+    """h200-sxm-calibrated as of probe version 6 (its FP8 curve measured under the default bf16-wgrad) and
     the same file read as version 5 (measured under the all-FP8 backward), the default backward
     with each forward: under 6 the weight gradients at the data gradients' rate (the curve's
     whole-backward rate, both stages as it was fitted); under 5 at the bf16 curve's weight-gradient
     rate, as before; the forward (its blend by share) and the data gradients the same either way. The weight
     gradients unpaired in all three (a paired launch's rate is the curve's at two micro-batches' rows:
     test_an_odd_micro_batch_count_prices_its_last_weight_gradient_launch_at_one_micro_batchs_rows)."""
-    hw = load_hardware("h200-sxm-calibrated")
+    hw = load_hardware(str(H200_CALIBRATED_V6))
     assert hw.calibration.probe_version == 6 and hw.calibration.fp8_curve_backward == "bf16-wgrad"
     layout, m = Candidates.one(4, 4, 1, 4, 2), load_model("qwen3-30b-a3b")
 

@@ -15,6 +15,10 @@ from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.solver import MAX_SEQS_PER_GPU, MEMORY_BOUND, choose, price, problem_of, solve
 from disagmoe.roofline import stages as st
 
+# the H200 calibration of probe version 6 (the committed preset until session 47: its FP8 expert curve measured
+# under bf16-wgrad, no FP8 projection curve), for the FP8 pricing tests of that version
+H200_CALIBRATED_V6 = Path(__file__).parent / "data" / "h200-sxm-calibrated-v6.yaml"
+
 
 def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
     m = load_model(model)
@@ -590,11 +594,11 @@ def _fp8_note(plan) -> str:
 
 @pytest.mark.parametrize("fp8_dense", [False, True])
 def test_a_measured_fp8_curve_slower_than_bf16_predicts_a_slower_fp8_step(fp8_dense):
-    """The Qwen3 config on one H200 with the committed bf16 calibration: an FP8 expert curve at 0.8x
+    """The Qwen3 config on one H200 with the H200 bf16 calibration of probe version 6: an FP8 expert curve at 0.8x
     the bf16 rates (our H200's FP8 experts measured 0.39-0.77x bf16's block) predicts a slower FP8
     step than bf16's, where the datasheet ratio (no FP8 curve) promised a faster one; the plan's note
     says which pricing it used, and that the dense projections stay at the datasheet ratio."""
-    hw = _without_fp8_curve(load_hardware("h200-sxm-calibrated"))
+    hw = _without_fp8_curve(load_hardware(str(H200_CALIBRATED_V6)))
     slow = [Fp8RatePoint(at=p.at, fwd=0.8 * p.fwd, bwd=0.8 * min(p.bwd, p.wgrad)) for p in hw.calibration.expert_gemm]
     measured = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"expert_gemm_fp8": slow})})
     _, bf16, _ = _qwen3_single(measured, "bf16")
@@ -609,10 +613,10 @@ def test_a_measured_fp8_curve_slower_than_bf16_predicts_a_slower_fp8_step(fp8_de
 
 
 def test_the_fp8_note_names_the_backward_the_curve_was_measured_under():
-    """The committed calibration (probe version 6: its FP8 curve measured under bf16-wgrad) and the
+    """The H200 calibration of probe version 6 (its FP8 curve measured under bf16-wgrad) and the
     same file read as version 5 (under the all-FP8 backward): the plan's note says which backward
     the curve was measured under and how the run's was priced from it."""
-    hw = load_hardware("h200-sxm-calibrated")
+    hw = load_hardware(str(H200_CALIBRATED_V6))
     v5 = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"probe_version": 5})})
     notes = {(name, backward): _fp8_note(_qwen3_single(of, "fp8", False, f"fp8_expert_backward={backward}")[2])
              for name, of in (("v6", hw), ("v5", v5)) for backward in ("bf16-wgrad", "fp8", "bf16")}
@@ -831,7 +835,7 @@ def test_measured_fp8_projections_price_the_dense_projections_with_their_quantis
     faster plan (not where the curve pays)."""
     from disagmoe.placement.cost import fp8_dense_speedups
 
-    hw = load_hardware("h200-sxm-calibrated")
+    hw = load_hardware(str(H200_CALIBRATED_V6))
     measured = _with_fp8_projections(hw, 0.9)
     fwd, bwd, inside = fp8_dense_speedups(measured.calibration, 8192.0, 2.0, "blockwise")
     assert (float(fwd), float(bwd), inside) == (pytest.approx(0.9), pytest.approx(0.9), True)
@@ -867,7 +871,7 @@ def test_a_curve_of_the_other_dense_recipe_prices_nothing_and_the_note_says_so()
     fp8_tflops / bf16_tflops), not the rowwise curve, and the note names the curve it left out and
     the setting that prices with it; a rowwise run (fp8_dense_scaling: rowwise) prices at the curve,
     and the plan records the scaling it priced."""
-    hw = load_hardware("h200-sxm-calibrated")
+    hw = load_hardware(str(H200_CALIBRATED_V6))
     rowwise_curve = _with_fp8_projections(hw, 0.9, scaling="rowwise")
     raw = rowwise_curve.calibration.model_dump()
     del raw["projections_fp8_scaling"]

@@ -146,7 +146,7 @@ def test_an_fp8_curve_round_trips_and_an_older_file_without_one_still_loads():
     hw = _hw(Calibration(source="test", expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE))
     back = HardwareConfig.model_validate(yaml.safe_load(hw.to_yaml()))
     assert back == hw and back.calibration.expert_gemm_fp8 == FP8_CURVE
-    committed = load_hardware("h200-sxm-calibrated")  # probe version 6: both curves measured
+    committed = load_hardware("h200-sxm-calibrated")  # probe version 9: both curves measured
     assert committed.calibration.expert_gemm and committed.calibration.expert_gemm_fp8
     data = yaml.safe_load(hw.to_yaml())
     del data["calibration"]["expert_gemm_fp8"]
