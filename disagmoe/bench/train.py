@@ -437,7 +437,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                     on_row(rows)
                 continue
             used_hop, time_sliced = summary.hop, summary.time_sliced
-            for note in (summary.micro_batches_note, summary.cuda_graphs_note, summary.expert_wgrad_pairs_note):
+            for note in (summary.micro_batches_note, summary.cuda_graphs_note, summary.expert_wgrad_pairs_note,
+                         summary.expert_tiles_note):
                 if note:
                     log(note)
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)
@@ -453,6 +454,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
                          "cuda_graphs_note": summary.cuda_graphs_note, "fp8_kernels": fp8_kernels(mcfg),
                          "expert_wgrad_pairs": summary.expert_wgrad_pairs,
+                         "expert_tiles_note": summary.expert_tiles_note,
                          "dense_recipe": summary.dense_recipe,
                          "predicted_peak_gib": summary.predicted_peak_gib,
                          "median_step_s": step_s, "step_times_s": [r["step_time_s"] for r in records],

@@ -51,7 +51,7 @@ def _runner(trainer: Any) -> Run:
     def run(on_step: StepCallback | None) -> dict[str, Any]:
         return trainer.run(on_step).to_dict()
 
-    run.notes = [note for note in (trainer.wgrad_pairs_note,) if note]
+    run.notes = [note for note in (trainer.wgrad_pairs_note, trainer.tiles_note) if note]
     return run
 
 

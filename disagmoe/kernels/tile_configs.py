@@ -222,6 +222,15 @@ def tuned(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
                  if (config := _tuned_table(slug).get(key)) is not None), None)
 
 
+def untuned_classes(dims: dict[str, tuple[int, int]], rows: int, experts: int, device_name: str,
+                    arch: str | None = None) -> list[str]:
+    """The shape classes of the launches `dims` names (role -> (K, N), as `moe_ffn.FFNTiles.gemm_dims` gives
+    them) over `rows` routed rows and `experts` experts that no table this GPU reads has tuned (`tuned`): the
+    launches that run the heuristic tiles, in `dims`' order."""
+    return [shape_class(role, k, n, rows, experts) for role, (k, n) in dims.items()
+            if tuned(role, k, n, rows, experts, device_name, arch) is None]
+
+
 def heuristic(role: str) -> TileConfig:
     """Untuned default (the tiles that won most shape classes on an H200)."""
     if role.startswith("wgrad"):  # atomic and TMA: how 3 of the 4 classes tuned on an H200 won (session 21)

@@ -410,16 +410,18 @@ def test_an_emulated_fp8_run_says_so_at_start():
 
 
 @pytest.mark.parametrize("as_json", [False, True])
-def test_a_single_run_says_at_start_how_its_expert_weight_gradients_run(tmp_path, monkeypatch, as_json):
+def test_a_single_run_says_at_start_how_its_expert_weight_gradients_and_tiles_run(tmp_path, monkeypatch, as_json):
     """The single trainer's `expert_wgrad_pairs` line (`single_memory.resolve_wgrad_pairs`, decided against the
-    device's memory as the trainer is built) is printed before the steps; `--json` keeps stdout the summary."""
+    device's memory as the trainer is built) and its untuned-tiles line (`tile_coverage.untuned_tiles_note`) are
+    printed before the steps; `--json` keeps stdout the summary."""
     from disagmoe.runtime.training import trainer
 
     note = "expert_wgrad_pairs: auto -> on: each expert weight gradient runs 1 times a step"
+    tiles = "expert tiles: 6 of the 6 expert GEMM classes this run launches were never tuned on Test GPU"
 
     class Trainer:
         def __init__(self, cfg):
-            self.wgrad_pairs_note = note
+            self.wgrad_pairs_note, self.tiles_note = note, tiles
 
         def run(self, on_step):
             class Summary:
@@ -432,6 +434,6 @@ def test_a_single_run_says_at_start_how_its_expert_weight_gradients_run(tmp_path
     result = invoke("--config", _config(tmp_path), *FAST, *(["--json"] if as_json else []))
     assert result.exit_code == 0, result.output
     if as_json:
-        assert note not in result.stdout and json.loads(result.stdout)["steps"] == 0
+        assert note not in result.stdout and tiles not in result.stdout and json.loads(result.stdout)["steps"] == 0
     else:
-        assert note in " ".join(result.stdout.split())
+        assert note in " ".join(result.stdout.split()) and tiles in " ".join(result.stdout.split())

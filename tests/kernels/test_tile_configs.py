@@ -70,6 +70,27 @@ def test_a_gpu_without_its_own_table_reads_one_of_its_architecture_and_says_so(t
         tc.clear_cache()
 
 
+def test_untuned_classes_names_the_launches_no_table_this_gpu_reads_has_tuned(tmp_path, monkeypatch):
+    """A class tuned in the GPU's own table or in one of its architecture's counts as tuned; the others are
+    named as their shape classes, in the order of the launches given; another row count is another class."""
+    config = tc.TileConfig(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    dims = {"gate_up": (64, 32), "down": (32, 64), "wgrad_w2": (32, 64)}
+    arch = tc.architecture((9, 0), 132)
+    own = {"entries": {tc.shape_class("gate_up", 64, 32, 400, 4): config.to_json()}, "architecture": arch}
+    sibling = {"entries": {tc.shape_class("down", 32, 64, 400, 4): config.to_json()}, "architecture": arch}
+    (tmp_path / "test-gpu.json").write_text(json.dumps(own))
+    (tmp_path / "other-gpu.json").write_text(json.dumps(sibling))
+    monkeypatch.setattr(tc, "TUNED_DIR", tmp_path)
+    tc.clear_cache()
+    try:
+        assert tc.untuned_classes(dims, 400, 4, "Test GPU", arch) == ["wgrad_w2/k32/n64/m128"]
+        assert tc.untuned_classes(dims, 400, 4, "Test GPU") == ["down/k32/n64/m128", "wgrad_w2/k32/n64/m128"]
+        assert tc.untuned_classes(dims, 4000, 4, "Test GPU", arch) == [
+            "gate_up/k64/n32/m1024", "down/k32/n64/m1024", "wgrad_w2/k32/n64/m1024"]
+    finally:
+        tc.clear_cache()
+
+
 def test_the_committed_h200_table_records_its_architecture():
     """The H200's table names its architecture (sm_90, 132 SMs), so an H100 SXM reads it."""
     assert "nvidia-h200" in tc.table_slugs("NVIDIA H100 80GB HBM3", tc.architecture((9, 0), 132))

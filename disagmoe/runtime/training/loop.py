@@ -85,6 +85,9 @@ class TrainSummary:
     # and the start line saying so (`single_memory.resolve_wgrad_pairs`, `driver.resolve_distributed_wgrad_pairs`)
     expert_wgrad_pairs: bool | None = None
     expert_wgrad_pairs_note: str | None = None
+    # the expert GEMM classes the run launched with the heuristic tiles, untuned on its GPU
+    # (`tile_coverage.untuned_tiles_note`)
+    expert_tiles_note: str | None = None
     # the dense projections' GEMMs as run (`TrainConfig.dense_recipe` of the resolved config: bf16 where precision
     # fp8's default blockwise recipe could not run, `trainer.resolve_dense_fp8`)
     dense_recipe: str | None = None
@@ -173,6 +176,9 @@ class TrainingLoop:
     # its actors are still inside the evaluation; the run stops with its last checkpoint)
     checkpoints_after_stopped_evaluation = True
     restarts: int = 0  # automatic restarts so far (distributed modes: DistributedTrainer.run)
+    # a start line where some expert GEMM classes the run launches have no tuned tiles on its GPU (`tile_coverage`;
+    # mode single only)
+    tiles_note: str | None = None
 
     def _train_one_step(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -42,6 +42,7 @@ from disagmoe.config import ModelConfig, TrainConfig, memory_knob_changes
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.kernels.fp8_stats import Fp8Stats
+from disagmoe.kernels.tile_configs import device_architecture
 from disagmoe.kernels.wgrad_pairs import paired_weight_grads
 from disagmoe.model import ModelOutput, MoETransformer
 from disagmoe.model.experts import check_backend_device, first_touch_params
@@ -69,6 +70,7 @@ from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSumm
 from disagmoe.runtime.training.graphed_step import GraphedStep, resolve_cuda_graphs
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
 from disagmoe.runtime.training.single_memory import resolve_wgrad_pairs, single_peak_bytes
+from disagmoe.runtime.training.tile_coverage import untuned_tiles_note
 from disagmoe.runtime.observe.metrics import (
     load_imbalance,
     no_host_syncs,
@@ -424,6 +426,9 @@ class SingleProcessTrainer(TrainingLoop):
         check_backend_device(cfg.experts_backend, self.device.type)
         if self.device.type == "cuda":
             check_single_memory(cfg, self.model_cfg, torch.cuda.get_device_properties(self.device).total_memory)
+            # which of the expert GEMM classes it launches run the heuristic tiles on this GPU (a start line)
+            self.tiles_note = untuned_tiles_note(cfg, self.model_cfg, torch.cuda.get_device_name(self.device),
+                                                 device_architecture(self.device))
         self.host_state_bytes = single_host_bytes(cfg, self.model_cfg)
         if self.host_state_bytes:
             check_host_memory(self.host_state_bytes, f"{count_params(self.model_cfg).total:,} parameters, mode single")
@@ -490,7 +495,7 @@ class SingleProcessTrainer(TrainingLoop):
                 **self.split_facts(),
                 "cuda_graph_replays": None if self.graphed is None else self.graphed.replays,
                 "cuda_graphs_note": self.cuda_graphs_note, "expert_wgrad_pairs": self.cfg.pairs_expert_wgrads,
-                "expert_wgrad_pairs_note": self.wgrad_pairs_note}
+                "expert_wgrad_pairs_note": self.wgrad_pairs_note, "expert_tiles_note": self.tiles_note}
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),
