@@ -2,7 +2,7 @@
 
 A shape class no table has tuned launches the heuristic tiles, and nothing else says so: a config whose tokens
 per micro-batch or expert shape differ from every tuned one (the DeepSeek config's 2,048 rows an expert on an
-H200 until session 47: every launch) runs slower than `disagmoe bench tune-experts` would make it, silently.
+H200 in session 47: every launch) runs slower than `disagmoe bench tune-experts` would make it, silently.
 `untuned_tiles_note` is the start line that says which classes, and the command that tunes exactly them.
 
 Said for the bf16 expert GEMMs of the Triton backend only: an FP8 run's recipe decides which of its launches
