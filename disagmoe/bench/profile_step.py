@@ -68,6 +68,8 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
     # (`trainer.counts_fp8`), never runs, so no capture of the counting graph waits for it
     trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps + 1,
                                                           "trace": False, "checkpoint_minutes": 0}))
+    if trainer.tiles_note:  # the bounds table below reads its expert GEMMs against these launches' tiles
+        log(trainer.tiles_note)
     clocks = GpuClockSampler.for_devices([0])  # the profiled steps' clocks, to set beside bench train's
     with clocks:
         clocks.mark(0)  # the start of the first step (warmup 0: the profiled steps' clocks start here)
@@ -116,7 +118,8 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
                               for n, (c, s) in runtime_calls(host, windows)[:8]],
             "bounds": kernel_bounds(trainer.cfg, trainer.model_cfg,
                                     {n: s * 1e3 / steps for n, s in kernels.items()}),
-            "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.timed_note(warmup)}
+            "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.timed_note(warmup),
+            "expert_tiles_note": trainer.tiles_note}
 
 
 def profiled_warmup(cfg: TrainConfig, warmup: int, steps: int) -> tuple[int, str | None]:
