@@ -30,11 +30,13 @@ Requirements (ValueError naming the fix otherwise; `takes` answers without raisi
 `grouped_gemm.ragged_weight_grad` then runs our Triton kernel): a and b bf16 or fp16 of one dtype with unit
 column stride and 16-byte-aligned rows, offsets int32, block_n in (64, 128, 256), the ring (and the TMA
 epilogue's buffers) within shared memory. `TileConfig.gluon` runs it where `bench tune-experts` measures it
-faster than our Triton tiles. Measured (one H100, session 43, docs/benchmarks.md): its GPU tests passed at 20f8b93
-(NaN rows past the last group included, in a captured training step too; the `zeroed` barrier came after, in
-fb2f8c9, and has not yet run on a GPU); the tuner's best Gluon tile is 5-15% slower than the
-best Triton one on the Qwen3 and Mixtral weight gradients (Mixtral's w2: 3.65 against 3.39 ms), so no tuned table
-names it; under ncu at 128 x 256 on Mixtral's w2 it ran 3.10 ms against Triton's 3.13.
+faster than our Triton tiles. Measured (docs/benchmarks.md): its GPU tests passed at 20f8b93 on an H100 (NaN rows
+past the last group included, in a captured training step too), at fb2f8c9 (the `zeroed` barrier) in session 44,
+and at 3334496 (the paired form's wgmmas no longer serialised) on an H200 in session 47; there the tuner put it
+ahead of Triton on the Qwen3 config's paired w2 gradient (2.270 against 2.306 ms), the H200 table's one weight
+gradient that names it; on the H100 (session 43) its best tile was 5-15% behind on the Qwen3 and Mixtral weight
+gradients (Mixtral's w2: 3.65 against 3.39 ms), and under ncu at 128 x 256 on Mixtral's w2 it ran 3.10 ms against
+Triton's 3.13.
 """
 
 from __future__ import annotations
