@@ -21,7 +21,8 @@ for T, K, H in ((32768, 8, 2048), (16384, 2, 4096), (16384, 6, 2048)):
     dest = torch.randperm(T * K, device=dev, generator=g).to(torch.int32).view(T, K)
     w = torch.rand(T, K, device=dev, generator=g)
     h = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
-    assert torch.equal(old.combine_forward(rows, dest, w, residual_TH=h), new.combine_forward(rows, dest, w, residual_TH=h))
+    assert torch.equal(old.combine_forward(rows, dest, w, residual_TH=h),
+                       new.combine_forward(rows, dest, w, residual_TH=h))
     gb = (T * K * H * 2 + 2 * T * H * 2) / 1e9
     for name, mod in (("s45", old), ("unrolled", new)):
         ms = med(lambda: mod.combine_forward(rows, dest, w, residual_TH=h))

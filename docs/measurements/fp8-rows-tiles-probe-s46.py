@@ -21,7 +21,8 @@ def med(fn, n=20):
     for a, b in ev: a.record(); fn(); b.record()
     torch.cuda.synchronize(); return sorted(a.elapsed_time(b) for a, b in ev)[n // 2]
 print(f"{'gemm':8} {'tile':18} {'ms':>7} {'TFLOP/s':>8}")
-for name, (q, s, w, n_out, k) in {"down": (q_act, s_act, weights.w2, H, F), "gate_up": (q_x, s_x, weights.w13, 2 * F, H)}.items():
+gemms = {"down": (q_act, s_act, weights.w2, H, F), "gate_up": (q_x, s_x, weights.w13, 2 * F, H)}
+for name, (q, s, w, n_out, k) in gemms.items():
     out = torch.empty(pairs, n_out, device=dev, dtype=torch.bfloat16)
     for block_m, stages, tma in ((128, 4, False), (128, 4, True), (256, 3, False), (256, 4, False)):
         ms = med(lambda: fp8_gluon.gluon_fp8_rows_gemm(q, s, offsets, *w, out=out, block_m=block_m, stages=stages,

@@ -11,7 +11,7 @@ from disagmoe.config import load_train_config
 from disagmoe.kernels import tile_configs as tc
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.model_ref import load_model
-from disagmoe.runtime.training.tile_coverage import untuned_tiles_note
+from disagmoe.runtime.training.tile_coverage import launch_rows, untuned_tiles_note
 
 REPO = Path(__file__).resolve().parents[3]
 ARCH = tc.architecture((9, 0), 132)
@@ -54,11 +54,23 @@ def test_a_run_whose_classes_no_table_holds_is_told_which_and_how_to_tune_them(t
     note = untuned_tiles_note(cfg, model, "NVIDIA H200", ARCH)
     assert note.startswith("expert tiles: 2 of the 6")
     assert "(wgrad_w2/k2048/n7168/m2048, wgrad_w13/k7168/n4096/m2048)" in note
+    assert "`disagmoe bench tune-experts -c CONFIG --role wgrad_w2 --role wgrad_w13` with" in note  # only those
+
+
+@pytest.mark.parametrize("config, overrides", [("h200-deepseek-v3.yaml", []), ("h200-mixtral-8x7b.yaml", []),
+                                               ("h200x2-qwen3-30b.yaml", ["micro_batches=2"])])
+def test_the_note_reads_the_rows_the_tuner_tunes(config, overrides):
+    """The rows of a launch as the note counts them are the tuner's (`bench tune-experts -c`: `shape_of_run`), so
+    the classes it names are the ones that command writes."""
+    from disagmoe.bench.experts import shape_of_run
+
+    cfg = load_train_config(REPO / "configs" / config, overrides)
+    assert launch_rows(cfg, load_model(cfg.model)) == shape_of_run(cfg, None).pairs
 
 
 def test_a_run_whose_classes_are_all_tuned_or_that_launches_no_tuned_kernel_says_nothing(tables):
     cfg, model = _deepseek()
-    rows = cfg.batch_size // cfg.micro_batches * cfg.seq_len * model.top_k
+    rows = launch_rows(cfg, model)
     dims = FFNTiles.gemm_dims(model.hidden_size, model.expert_ffn_size)
     tables("nvidia-h200", [tc.shape_class(role, k, n, rows, 32) for role, (k, n) in dims.items()])
     assert untuned_tiles_note(cfg, model, "NVIDIA H200", ARCH) is None
@@ -67,6 +79,8 @@ def test_a_run_whose_classes_are_all_tuned_or_that_launches_no_tuned_kernel_says
     assert untuned_tiles_note(other, model, "NVIDIA H200", ARCH).startswith("expert tiles: 6 of the 6")
     for overrides in (["precision=fp8"], ["experts_backend=grouped_mm"]):
         assert untuned_tiles_note(_deepseek("micro_batches=2", *overrides)[0], model, "NVIDIA H200", ARCH) is None
+    fp32 = _deepseek("micro_batches=2", "precision=fp32")[0]  # fp32 launches read the same table
+    assert untuned_tiles_note(fp32, model, "NVIDIA H200", ARCH).startswith("expert tiles: 6 of the 6")
 
 
 def test_an_unsettled_split_is_refused():
