@@ -280,17 +280,19 @@ def _relative_error(got, want) -> float:
 
 def search(launch: Callable[[TileConfig], object], default: TileConfig, configs: list[TileConfig],
            time_ms: Callable[[Callable[[], object]], float], log: Callable[[str], None], label: str,
-           ) -> tuple[float, TileConfig, float]:
+           progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[float, TileConfig, float]:
     """(best ms, best config, the default's ms): each config checked against the default's result
     (a tiling must compute the same function; an `AccumulatingLaunch` from its zeroed output), then
     timed by `time_ms`; the default competes too. Where the library's grouped GEMM or our Gluon kernel
-    competed, the best of each kernel kind is logged beside the winner (`kernel_kind`)."""
+    competed, the best of each kernel kind is logged beside the winner (`kernel_kind`). `progress` is told
+    (candidates done, candidates in all) as each one ends, the default first: its first launch compiles it."""
     reset = getattr(launch, "reset", lambda: None)
     reset()
     result = launch(default)
     reference = tuple(t.clone() for t in result) if isinstance(result, tuple) else result.clone()
     timed = []
-    for config in [default, *configs]:
+    tried = [default, *configs]
+    for done, config in enumerate(tried, 1):
         try:
             reset()
             error = _relative_error(launch(config), reference)
@@ -300,6 +302,8 @@ def search(launch: Callable[[TileConfig], object], default: TileConfig, configs:
             timed.append((time_ms(lambda: launch(config)), config))
         except Exception as err:  # a tile that does not fit (shared memory, registers)
             log(f"  skip {label} {config}: {type(err).__name__}")
+        finally:
+            progress(done, len(tried))
     best_ms, best = min(timed, key=lambda t: t[0])
     kinds: dict[str, tuple[float, TileConfig]] = {}
     for ms, config in timed:
@@ -323,14 +327,17 @@ def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[s
                time_ms: Callable[[Callable[[], object]], float], log: Callable[[str], None] = print,
                configs: Callable[[str], list[TileConfig]] = candidates,
                default: Callable[[str], TileConfig] = default_config,
-               tuned: Callable[[dict], object] = lambda results: None) -> dict:
+               tuned: Callable[[dict], object] = lambda results: None,
+               progress: Callable[[str, int, int], None] = lambda label, done, total: None) -> dict:
     """One shape's results, keyed by shape class (`tile_configs.shape_class` of each role's dims,
     `rows` and `experts`): the best config of `default(role)` and `configs(role)` (`search`), its
     time, rate and the default's time: what `write_tuned` saves. `tuned` is handed each class's result
-    as soon as its search ends (`{class: result}`), so a caller can save it before the next role starts."""
+    as soon as its search ends (`{class: result}`), so a caller can save it before the next role starts;
+    `progress` (shape and role, candidates done, in all) as each candidate ends."""
     results = {}
     for role, launch in launches.items():
-        best_ms, best, default_ms = search(launch, default(role), configs(role), time_ms, log, role)
+        best_ms, best, default_ms = search(launch, default(role), configs(role), time_ms, log, role,
+                                           lambda done, total: progress(f"{shape_name} {role}", done, total))
         rate = flops[role] / best_ms / 1e9
         key = shape_class(role, *dims[role], rows, experts)
         results[key] = {
@@ -351,11 +358,13 @@ def check_roles(roles: list[str] | None, precision: str) -> None:
 
 def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str], None] = print,
          precision: str = "bf16", roles: list[str] | None = None,
-         save: Callable[[dict], object] = lambda record: None) -> dict:
+         save: Callable[[dict], object] = lambda record: None,
+         progress: Callable[[str, int, int], None] = lambda label, done, total: None) -> dict:
     """Best tile per (role, shape class) with its time and the default's (the heuristic, or
     `Fp8Tiles`' field), for every shape (fp8: the FP8 FFN's roles), only `roles` where given (the
     other classes' entries stay as the table has them). `save` is handed a record of each class alone
-    as soon as it is tuned (`write_tuned` merges it), so an interrupted search keeps what it measured."""
+    as soon as it is tuned (`write_tuned` merges it), so an interrupted search keeps what it measured; `progress`
+    (shape and role, candidates done, in all) as each candidate's check and timing end."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
     check_roles(roles, precision)
@@ -385,7 +394,8 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         if roles:
             launches = {role: launch for role, launch in launches.items() if role in roles}
         results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log,
-                                  tuned=lambda one: save({"environment": env, "architecture": arch, "results": one})))
+                                  tuned=lambda one: save({"environment": env, "architecture": arch, "results": one}),
+                                  progress=progress))
         del launches
         torch.cuda.empty_cache()
     return {"environment": env, "architecture": arch, "results": results}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from disagmoe.bench.loss_parity import DEFAULT_WINDOW, same_variant
@@ -280,10 +281,37 @@ def tune_experts(
 
         device = torch.device("cuda") if torch.cuda.is_available() else None
         shapes.append(shape_of_run(load_train_config(config, overrides), device))
-    record = tuner.tune(shapes, warmup, iters, log=console.print, precision=precision, roles=role,
-                        save=lambda one: tuner.write_tuned(one, out))  # each class as it is tuned
+    with TuneProgress() as progress:
+        record = tuner.tune(shapes, warmup, iters, log=progress.log, precision=precision, roles=role,
+                            save=lambda one: tuner.write_tuned(one, out),  # each class as it is tuned
+                            progress=progress.update)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
+
+
+class TuneProgress:
+    """`tune-experts`' bar: the shape and GEMM being searched, its candidates checked and timed so far (each one's
+    first launch compiles it: the minutes of a first tune). Redrawn only as a candidate ends, so no drawing thread
+    runs beside the timed launches; the tuner's lines print above it."""
+
+    def __init__(self) -> None:
+        self.bar = Progress(TextColumn("[bold]tuning[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, auto_refresh=False, transient=True)
+        self.task = self.bar.add_task("", total=None)
+
+    def __enter__(self) -> TuneProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def update(self, label: str, done: int, total: int) -> None:
+        self.bar.update(self.task, description=label, completed=done, total=total)
+        self.bar.refresh()
+
+    def log(self, line: str) -> None:
+        self.bar.console.print(line, markup=False, highlight=False)
 
 
 @bench_app.command("plan")

@@ -212,15 +212,19 @@ def test_each_class_is_saved_as_soon_as_it_is_tuned(monkeypatch, tmp_path):
     monkeypatch.setattr(tuner, "_hopper", lambda: False)
     best = TileConfig(block_m=64, block_n=128, block_k=64)
 
-    def search(launch, default, configs, time_ms, log, role):
+    def search(launch, default, configs, time_ms, log, role, progress):
+        progress(1, 2)
         if role == "gate_up":
             raise KeyboardInterrupt  # the second role's search never ends
         return 1.0, best, 2.0
 
     monkeypatch.setattr(tuner, "search", search)
     table = tmp_path / "gpu.json"
+    told = []
     with pytest.raises(KeyboardInterrupt):
-        tuner.tune([SHAPES["qwen3-30b-a3b"]], 0, 1, log=lambda m: None, save=lambda one: tuner.write_tuned(one, table))
+        tuner.tune([SHAPES["qwen3-30b-a3b"]], 0, 1, log=lambda m: None, save=lambda one: tuner.write_tuned(one, table),
+                   progress=lambda *args: told.append(args))
+    assert told == [("qwen3-30b-a3b down", 1, 2), ("qwen3-30b-a3b gate_up", 1, 2)]  # each search's bar, by its label
     saved = json.loads(table.read_text())
     assert [key.split("/")[0] for key in saved["entries"]] == ["down"]
     assert TileConfig(**next(iter(saved["entries"].values()))) == best and saved["architecture"] == "sm_90x132"
@@ -379,3 +383,37 @@ def test_the_search_logs_the_best_tile_of_each_kernel_kind_beside_the_winner():
     logged.clear()
     tuner.search(launch, triton_tile, [wide], time_ms, logged.append, "up")
     assert logged == []  # one kind: nothing beside the winner
+
+
+def test_the_search_tells_its_progress_as_each_candidate_ends_rejected_or_not():
+    """The default and each candidate, checked and timed, rejected (a wrong result) or skipped (a launch that
+    fails): (done, in all) after each, so a bar can count the minutes of a first tune's compiles."""
+    good = TileConfig(block_m=128, block_n=128, block_k=64)
+    wrong, failing = dataclasses.replace(good, block_n=256), dataclasses.replace(good, block_m=64)
+
+    def launch(config):
+        if config == failing:
+            raise RuntimeError("out of shared memory")
+        return torch.full((4,), 2.0 if config == wrong else 1.0)
+
+    told = []
+    tuner.search(launch, good, [wrong, failing], lambda fn: (fn(), 1.0)[1], lambda m: None, "down",
+                 lambda done, total: told.append((done, total)))
+    assert told == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_tune_experts_bar_prints_the_tuners_lines_above_it(monkeypatch):
+    """The bar redraws as it is told (no thread of its own) and the tuner's lines print through it, as text."""
+    import io
+
+    from rich.console import Console
+
+    from disagmoe.cli import bench_cmd
+
+    out = io.StringIO()
+    monkeypatch.setattr(bench_cmd, "console", Console(file=out, width=120, force_terminal=False))
+    with bench_cmd.TuneProgress() as bar:
+        bar.update("qwen3-30b-a3b down", 3, 40)
+        bar.log("down [best] 0.380 ms")
+        assert bar.bar.tasks[0].completed == 3 and bar.bar.tasks[0].total == 40
+    assert "down [best] 0.380 ms" in out.getvalue()
