@@ -216,6 +216,7 @@ def shape_of_run(cfg: TrainConfig, device: torch.device | None = None) -> Expert
     layout that serves the same tokens per expert."""
     from disagmoe.runtime.training.micro_batches import device_capacity_bytes
     from disagmoe.runtime.training.single_memory import resolve_wgrad_pairs
+    from disagmoe.runtime.training.tile_coverage import launch_rows
     from disagmoe.runtime.training.trainer import resolve_single_micro_batches
 
     model_cfg = load_model(cfg.model)
@@ -228,9 +229,9 @@ def shape_of_run(cfg: TrainConfig, device: torch.device | None = None) -> Expert
         cfg, _ = resolve_single_micro_batches(cfg, model_cfg, device)
     if on_gpu:  # as the trainer does after choosing the split (which settles pairs only for the splits it weighs)
         cfg, _ = resolve_wgrad_pairs(cfg, model_cfg, device_capacity_bytes(device))
-    tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
-    name = f"{model_cfg.name}-t{tokens}" + ("-balanced" if cfg.routing == "balanced" else "")
-    return ExpertShape(name, model_cfg, 1, tokens * model_cfg.top_k, balanced=cfg.routing == "balanced",
+    pairs = launch_rows(cfg, model_cfg)
+    name = f"{model_cfg.name}-t{pairs // model_cfg.top_k}" + ("-balanced" if cfg.routing == "balanced" else "")
+    return ExpertShape(name, model_cfg, 1, pairs, balanced=cfg.routing == "balanced",
                        paired_wgrads=cfg.pairs_expert_wgrads)
 
 

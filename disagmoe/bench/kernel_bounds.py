@@ -24,6 +24,7 @@ from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.placement.cost import FP8_FORWARD_SHARES
 from disagmoe.roofline.memory import fp8_token_group_rows, fp8_weight_copy_bytes, fp8_weight_copy_shares
 from disagmoe.roofline.params import count_params
+from disagmoe.runtime.training.tile_coverage import launch_rows
 from disagmoe.roofline.stages import (BF16, FP8_TOKEN_GROUP_BYTES, Work, adamw_update_bytes, dense_fp8_weight_copies,
                                       dense_fp8_weights, expert_weight_grads, main_grad_passes, routed_experts)
 
@@ -42,8 +43,7 @@ class KernelFamily:
 
 def _micro_batch_rows(cfg: TrainConfig, m: ModelConfig) -> tuple[int, int]:
     """(micro-batches a step, routed rows a micro-batch) of `mode: single` on the one GPU."""
-    micro_batches = int(cfg.micro_batches)
-    return micro_batches, cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
+    return int(cfg.micro_batches), launch_rows(cfg, m)
 
 
 def _weight_grads_of_step(cfg: TrainConfig, m: ModelConfig, operand_bytes: float) -> Work:
