@@ -12,6 +12,7 @@ Legend as in grouped_gemm.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -22,6 +23,7 @@ import torch
 
 from disagmoe.bench.experts import ExpertShape
 from disagmoe.bench.timing import environment, median_ms
+from disagmoe.bench.tune_compile import compile_jobs, precompile, worker_count
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.tile_configs import (FP8_ROLES, ROLES, TUNED_DIR, TileConfig, clear_cache, device_architecture,
@@ -356,15 +358,32 @@ def check_roles(roles: list[str] | None, precision: str) -> None:
         raise ValueError(f"--role {', '.join(unknown)}: --precision {precision} tunes {', '.join(choices)}")
 
 
+def shape_launches(shape: ExpertShape, precision: str, roles: list[str] | None,
+                   device: torch.device | None = None) -> dict[str, Callable[[TileConfig], object]]:
+    """The launches `tune` searches for one shape: the bf16 roles' (`role_launches`) or the FP8 FFN's
+    (`fp8_role_launches`), only `roles` where given; on the current CUDA device unless told. Module-level, so a
+    compile worker (`tune_compile`) builds its own from the same arguments."""
+    device = device or torch.device("cuda")
+    if precision == "fp8":
+        _, hidden, ffn, _ = shape.dims
+        launches = fp8_role_launches(shape.offsets(device), hidden, ffn)
+    else:
+        launches = role_launches(shape, device)
+    return {role: launch for role, launch in launches.items() if not roles or role in roles}
+
+
 def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str], None] = print,
          precision: str = "bf16", roles: list[str] | None = None,
          save: Callable[[dict], object] = lambda record: None,
-         progress: Callable[[str, int, int], None] = lambda label, done, total: None) -> dict:
+         progress: Callable[[str, int, int], None] = lambda label, done, total: None,
+         compile_workers: int | None = 0) -> dict:
     """Best tile per (role, shape class) with its time and the default's (the heuristic, or
     `Fp8Tiles`' field), for every shape (fp8: the FP8 FFN's roles), only `roles` where given (the
     other classes' entries stay as the table has them). `save` is handed a record of each class alone
     as soon as it is tuned (`write_tuned` merges it), so an interrupted search keeps what it measured; `progress`
-    (shape and role, candidates done, in all) as each candidate's check and timing end."""
+    (shape and role, candidates done, in all) as each candidate's check and timing end. `compile_workers`
+    processes (None: `tune_compile.worker_count`'s choice; 0: none) first compile each shape's candidates into
+    Triton's cache, so the search's first launches load them instead of compiling one after another."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
     check_roles(roles, precision)
@@ -382,17 +401,24 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         name = shape.name + ("-paired-wgrads" if shape.paired_wgrads and precision == "bf16" else "")
         experts, hidden, ffn, _ = shape.dims
         gemm_flops = 2.0 * shape.pairs * hidden * ffn
+        allocated = torch.cuda.memory_allocated(device) if compile_workers != 0 else 0
+        launches = shape_launches(shape, precision, roles, device)
         if precision == "fp8":
-            launches = fp8_role_launches(shape.offsets(device), hidden, ffn)
             dims = {role: (hidden, ffn) for role in launches}
             flops = {role: 3 * gemm_flops for role in launches}  # two launches: 2F + F columns
         else:
-            launches = role_launches(shape, device)
             dims = FFNTiles.gemm_dims(hidden, ffn)
             flops = {role: gemm_flops * (2 if role in ("gate_up", "gate_up_dgrad", "wgrad_w13") else 1)
                      * (2 if shape.paired_wgrads and role.startswith("wgrad") else 1) for role in launches}
-        if roles:
-            launches = {role: launch for role, launch in launches.items() if role in roles}
+        if compile_workers != 0:
+            jobs = compile_jobs({role: [default_config(role), *candidates(role)] for role in launches})
+            operand_bytes = torch.cuda.memory_allocated(device) - allocated
+            workers = worker_count(compile_workers, len(jobs), operand_bytes, torch.cuda.mem_get_info(device)[0])
+            if workers:
+                log(f"{name}: compiling {len(jobs)} candidate kernels in {workers} processes")
+                label = f"{name} compiling ({workers} processes)"
+                precompile(functools.partial(shape_launches, shape, precision, roles), jobs, workers,
+                           progress=lambda done, total: progress(label, done, total), log=log)
         results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log,
                                   tuned=lambda one: save({"environment": env, "architecture": arch, "results": one}),
                                   progress=progress))

@@ -255,6 +255,10 @@ def tune_experts(
     iters: Annotated[int, typer.Option(help="timed launches per candidate (median)")] = 10,
     out: Annotated[Path | None, typer.Option(
         help="tuned table to merge into (default: disagmoe/kernels/tuned/<gpu>.json)")] = None,
+    compile_workers: Annotated[int | None, typer.Option(
+        help="processes that first compile every candidate kernel into Triton's cache, so the search loads them "
+             "instead of compiling one after another (default: one a CPU core but this one's, at most 8, as many "
+             "as the GPU's free memory holds; 0: compile each as it is first timed)")] = None,
 ) -> None:
     """Autotune the expert FFN's grouped GEMM tiles per shape class on this GPU and save them.
 
@@ -266,11 +270,13 @@ def tune_experts(
     tuned: a search stopped part-way keeps the classes it finished."""
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.bench.experts import SHAPES, shape_of_run
+    from disagmoe.bench.tune_compile import check_requested
 
     if overrides and config is None:
         raise typer.BadParameter("key=value overrides apply to --config: give --config CFG with them")
     try:
         tuner.check_roles(role, precision)
+        check_requested(compile_workers)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     shapes = [SHAPES[n] for n in (_shape_names(shape) if shape or config is None else [])]
@@ -284,7 +290,7 @@ def tune_experts(
     with TuneProgress() as progress:
         record = tuner.tune(shapes, warmup, iters, log=progress.log, precision=precision, roles=role,
                             save=lambda one: tuner.write_tuned(one, out),  # each class as it is tuned
-                            progress=progress.update)
+                            progress=progress.update, compile_workers=compile_workers)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
 
