@@ -427,11 +427,16 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
     return {"environment": env, "architecture": arch, "results": results}
 
 
-def write_tuned(record: dict, out: Path | None) -> Path:
+def write_tuned(record: dict, out: Path | None, log: Callable[[str], None] = lambda line: None) -> Path:
     """Merge the winners into the GPU's tuned table (the data the launcher reads), with the GPU's
-    architecture (`tile_configs.architecture`: GPUs of the same one without a table read it)."""
+    architecture (`tile_configs.architecture`: GPUs of the same one without a table read it). A class is keyed by
+    its GEMM, K, N and rows an expert only, so shapes that differ in their routing or weight-gradient pairing share
+    it (`bench experts`' Zipf-routed mixtral-8x7b and the balanced Mixtral config, 2,048 rows an expert each): `log`
+    is told of every entry this write replaces that another shape's search had written (`replaced_entries`)."""
     path = out or TUNED_DIR / f"{gpu_slug(record['environment']['gpu'])}.json"
     table = json.loads(path.read_text()) if path.exists() else {"entries": {}, "measured": {}}
+    for line in replaced_entries(table, record["results"]):
+        log(line)
     table["environment"] = record["environment"]
     if record.get("architecture"):
         table["architecture"] = record["architecture"]
@@ -452,3 +457,15 @@ def write_tuned(record: dict, out: Path | None) -> Path:
             os.unlink(partial)
     clear_cache()  # this process's later launches read the table just written
     return path
+
+
+def replaced_entries(table: dict, results: dict) -> list[str]:
+    """A line for each class of `results` whose entry in `table` another shape's search wrote: the class, that
+    shape and its time, and the shape replacing it (the last tune of a class is what every shape of it launches)."""
+    lines = []
+    for key, result in sorted(results.items()):
+        before = table.get("measured", {}).get(key)
+        if key in table.get("entries", {}) and before and before.get("shape") not in (None, result.get("shape")):
+            lines.append(f"  {key}: replaces the tile tuned on {before['shape']} ({before['ms']:.3f} ms there) with "
+                         f"{result.get('shape')}'s ({result['ms']:.3f} ms): both shapes launch this class's tile")
+    return lines

@@ -289,7 +289,7 @@ def tune_experts(
         shapes.append(shape_of_run(load_train_config(config, overrides), device))
     with TuneProgress() as progress:
         record = tuner.tune(shapes, warmup, iters, log=progress.log, precision=precision, roles=role,
-                            save=lambda one: tuner.write_tuned(one, out),  # each class as it is tuned
+                            save=lambda one: tuner.write_tuned(one, out, progress.log),  # each class as tuned
                             progress=progress.update, compile_workers=compile_workers)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)

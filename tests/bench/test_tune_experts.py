@@ -262,6 +262,31 @@ def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):
     assert table["measured"]["gate_up/k2048/n768/m2048"]["heuristic_ms"] == 1.2
 
 
+def test_a_write_names_each_class_another_shapes_search_had_tuned(tmp_path):
+    """Classes are keyed by GEMM, K, N and rows an expert: the Zipf-routed bench shape and a balanced config of one
+    model share them, and the last tune wins. The write says so for each entry it takes over from another shape, and
+    nothing where the same shape retunes its class or the class is new."""
+    path = tmp_path / "gpu.json"
+    tile = TileConfig(block_m=128, block_n=128, block_k=64).to_json()
+
+    def record(shape, ms, *keys):
+        return {"environment": {"gpu": "NVIDIA H200"},
+                "results": {key: {"config": tile, "ms": ms, "tflops": 1.0, "heuristic_ms": ms, "shape": shape}
+                            for key in keys}}
+
+    lines = []
+    tuner.write_tuned(record("mixtral-8x7b", 5.454, "gate_up/k4096/n14336/m2048", "down/k14336/n4096/m2048"), path,
+                      lines.append)
+    assert lines == []  # new classes
+    tuner.write_tuned(record("mixtral-8x7b", 5.4, "gate_up/k4096/n14336/m2048"), path, lines.append)
+    assert lines == []  # the same shape again
+    tuner.write_tuned(record("mixtral-8x7b-3l-t8192-balanced-paired-wgrads", 5.2, "gate_up/k4096/n14336/m2048",
+                             "wgrad_w2/k14336/n4096/m2048"), path, lines.append)
+    assert lines == ["  gate_up/k4096/n14336/m2048: replaces the tile tuned on mixtral-8x7b (5.400 ms there) with "
+                     "mixtral-8x7b-3l-t8192-balanced-paired-wgrads's (5.200 ms): both shapes launch this class's tile"]
+    assert json.loads(path.read_text())["measured"]["gate_up/k4096/n14336/m2048"]["ms"] == 5.2
+
+
 def _tile(m, n, k, promote="inline"):
     return TileConfig(block_m=m, block_n=n, block_k=k, group_m=2, num_warps=4, num_stages=1, promote=promote)
 
