@@ -84,8 +84,16 @@ def precompile(build_launches: Callable[[], dict], jobs: list[tuple[str, TileCon
     done = context.SimpleQueue()  # written through at each put: a worker that dies has told every launch it ended
     processes = [context.Process(target=_launch_share, args=(build_launches, jobs[i::workers], done), daemon=True)
                  for i in range(workers)]
-    for process in processes:
-        process.start()
+    try:
+        for process in processes:
+            process.start()
+    except Exception as err:  # e.g. a builder that does not pickle: the search compiles as it goes, as without workers
+        for process in (p for p in processes if p.pid is not None):
+            process.terminate()
+            process.join()
+        log(f"  compile workers did not start ({type(err).__name__}: {err}); the search compiles each candidate as it "
+            "times it")
+        return 0
     ended = 0
     progress(0, len(jobs))
     try:

@@ -97,6 +97,15 @@ def test_a_worker_that_dies_leaves_its_jobs_to_the_search_and_says_so(tmp_path):
     assert tune_compile.precompile(functools.partial(fake_launches, str(tmp_path)), [], 4) == 0
 
 
+def test_workers_that_cannot_start_leave_every_job_to_the_search(tmp_path):
+    """A builder that does not pickle (a local function) fails at the first start: nothing is left running, the
+    tuner is told, and the search compiles as it goes."""
+    lines = []
+    ended = tune_compile.precompile(lambda: fake_launches(str(tmp_path)), [("down", _tile(16)), ("down", _tile(32))], 2,
+                                    log=lines.append)
+    assert ended == 0 and len(lines) == 1 and "did not start" in lines[0] and not list(tmp_path.glob("*.log"))
+
+
 def test_tune_hands_the_workers_each_shapes_candidates_and_a_builder_of_its_launches(monkeypatch):
     """With compile workers, `tune` measures its operands' memory, asks `worker_count`, and hands `precompile`
     every searched role's default and candidates and a picklable builder of the same launches; then it searches."""
