@@ -401,7 +401,9 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         name = shape.name + ("-paired-wgrads" if shape.paired_wgrads and precision == "bf16" else "")
         experts, hidden, ffn, _ = shape.dims
         gemm_flops = 2.0 * shape.pairs * hidden * ffn
-        allocated = torch.cuda.memory_allocated(device) if compile_workers != 0 else 0
+        if compile_workers != 0:  # the build's peak, temporaries included: what each worker's own build will reach
+            allocated = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         launches = shape_launches(shape, precision, roles, device)
         if precision == "fp8":
             dims = {role: (hidden, ffn) for role in launches}
@@ -412,7 +414,8 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
                      * (2 if shape.paired_wgrads and role.startswith("wgrad") else 1) for role in launches}
         if compile_workers != 0:
             jobs = compile_jobs({role: [default_config(role), *candidates(role)] for role in launches})
-            operand_bytes = torch.cuda.memory_allocated(device) - allocated
+            operand_bytes = torch.cuda.max_memory_allocated(device) - allocated
+            torch.cuda.empty_cache()  # the build's freed temporaries are the workers' room, not this process's cache
             workers = worker_count(compile_workers, len(jobs), operand_bytes, torch.cuda.mem_get_info(device)[0])
             if workers:
                 log(f"{name}: compiling {len(jobs)} candidate kernels in {workers} processes")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -55,14 +56,16 @@ def test_a_negative_worker_count_is_refused_with_the_choices():
     assert result.exit_code != 0 and "give 0" in result.output and "Traceback" not in result.output
 
 
-def fake_launches(log_dir: str, fail: str = "", die: str = "") -> dict:
+def fake_launches(log_dir: str, fail: str = "", die: str = "", hang: str = "") -> dict:
     """Launches that append what they run to a file of this process's own; `fail`'s raise (a tile that does not
-    fit), `die`'s end the process."""
+    fit), `die`'s end the process, `hang`'s never return."""
     def launch(role: str, config: TileConfig) -> None:
         with open(Path(log_dir) / f"{os.getpid()}.log", "a") as f:
             f.write(f"{role} {config.block_m}\n")
         if role == die:
             os._exit(3)
+        if role == hang:
+            time.sleep(3600)
         if role == fail:
             raise RuntimeError("out of shared memory")
 
@@ -77,13 +80,15 @@ def _launched(log_dir: Path) -> tuple[list[str], int]:
 @pytest.mark.slow
 def test_spawned_workers_launch_every_job_once_between_them_and_tell_each_end(tmp_path):
     jobs = [(role, _tile(m)) for m in (16, 32, 64, 128) for role in ("down", "gate_up", "wgrad_w2")]
-    told = []
+    told, lines = [], []
     ended = tune_compile.precompile(functools.partial(fake_launches, str(tmp_path), fail="gate_up"), jobs, 3,
-                                    progress=lambda done, total: told.append((done, total)), log=told.append)
+                                    progress=lambda done, total: told.append((done, total)), log=lines.append)
     launched, processes = _launched(tmp_path)
     assert ended == len(jobs) and processes == 3  # a failing launch is the search's to skip, not the worker's
     assert launched == sorted(f"{role} {tile.block_m}" for role, tile in jobs)
     assert told[0] == (0, 12) and told[-1] == (12, 12) and len(told) == 13
+    assert len(lines) == 1 and lines[0].startswith("  ran 12 of 12 candidate launches in 3 processes in ")
+    assert "4 failed there (RuntimeError x4), as they will in the search" in lines[0] and "left" not in lines[0]
 
 
 @pytest.mark.slow
@@ -93,8 +98,21 @@ def test_a_worker_that_dies_leaves_its_jobs_to_the_search_and_says_so(tmp_path):
     ended = tune_compile.precompile(functools.partial(fake_launches, str(tmp_path), die="wgrad_w2"), jobs, 2,
                                     log=lines.append)
     assert ended == 2  # each worker's down launch; both die at their wgrad_w2 one
-    assert len(lines) == 1 and "2 of 2 exited with codes [3, 3]" in lines[0] and "the 2 launches" in lines[0]
+    assert len(lines) == 1 and "ran 2 of 4" in lines[0] and "2 workers exited with codes [3, 3]" in lines[0]
+    assert "the search compiles the 2 left as it times them" in lines[0]
     assert tune_compile.precompile(functools.partial(fake_launches, str(tmp_path)), [], 4) == 0
+
+
+@pytest.mark.slow
+def test_workers_past_the_deadline_are_stopped_and_leave_the_rest_to_the_search(tmp_path):
+    jobs = [("down", _tile(16)), ("wgrad_w2", _tile(32)), ("down", _tile(64))]
+    lines = []
+    start = time.monotonic()
+    ended = tune_compile.precompile(functools.partial(fake_launches, str(tmp_path), hang="wgrad_w2"), jobs, 2,
+                                    log=lines.append, deadline_s=8.0)
+    assert time.monotonic() - start < 30  # the hung worker was terminated, not waited for
+    assert ended == 2 and "ran 2 of 3" in lines[0] and "the search compiles the 1 left" in lines[0]
+    assert "exited" not in lines[0]  # stopped by the tuner is no death to report
 
 
 def test_workers_that_cannot_start_leave_every_job_to_the_search(tmp_path):
@@ -114,8 +132,10 @@ def test_tune_hands_the_workers_each_shapes_candidates_and_a_builder_of_its_laun
     from disagmoe.bench.experts import SHAPES
 
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
-    allocated = iter([GIB, 5 * GIB])  # before and after the launches' operands
-    monkeypatch.setattr(tuner.torch.cuda, "memory_allocated", lambda device: next(allocated))
+    monkeypatch.setattr(tuner.torch.cuda, "memory_allocated", lambda device: GIB)  # before the launches' operands
+    monkeypatch.setattr(tuner.torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    monkeypatch.setattr(tuner.torch.cuda, "max_memory_allocated", lambda device: 5 * GIB)  # the build's peak
+    monkeypatch.setattr(tuner.torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(tuner.torch.cuda, "mem_get_info", lambda device: (100 * GIB, 141 * GIB))
     monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
     monkeypatch.setattr(tuner, "device_architecture", lambda device: "sm_90x132")
