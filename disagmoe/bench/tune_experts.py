@@ -88,6 +88,10 @@ FP8_WGRAD_CANDIDATES = [(128, 128, 64, 8, 3, 1, "hoisted"), (128, 128, 64, 8, 3,
                         (64, 256, 64, 8, 3, 1, "hoisted"), (64, 256, 64, 8, 3, 1, "pingpong"),
                         (128, 128, 128, 8, 3, 1, "pipelined"), (64, 128, 128, 8, 3, 1, "pipelined"),
                         (128, 64, 64, 4, 3, 2, "pipelined"), (128, 64, 64, 4, 3, 2, "pingpong")]
+# A Hopper's shared memory a block may take (227 KiB), less what Triton's barriers and alignment take beside a ring
+# (`tma_store_fits`; a tile that still does not fit fails to launch and the search skips it)
+HOPPER_SHARED_MEMORY_BYTES = 232_448
+SHARED_MEMORY_RESERVE_BYTES = 1_024
 # Roles whose launches the library's grouped GEMM can run (`TileConfig.library`): plain products.
 LIBRARY_ROLES = ("down", "gate_up_dgrad")
 # Our warp-specialised Gluon kernel for those roles on Hopper (`TileConfig.gluon`, `kernels.gluon_rows`): (block_m,
@@ -137,8 +141,13 @@ def candidates(role: str) -> list[TileConfig]:
                     + _bf16_tiles(WGRAD_TMA_CANDIDATES, atomic_accumulate=True, tma=True)
                     + prefetch + [dataclasses.replace(c, tma=True) for c in prefetch])
     else:  # each row GEMM tile also with TMA loads (`grouped_gemm.rows_gemm_descriptors`), but the flattened
-        # gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas)
-        configs += [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]
+        # gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas); and those of the
+        # plain and SwiGLU epilogues (not down dgrad's fused one) also storing by TMA where the buffer fits beside
+        # the ring (`tma_store_fits`), not flattened (`grouped_gemm.rows_store_descriptors`)
+        loaded = [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]
+        stored = [dataclasses.replace(c, tma_store=True) for c in loaded
+                  if role != "down_dgrad" and not c.flatten and tma_store_fits(c, role)]
+        configs += loaded + stored
     if role.startswith("wgrad") and _hopper():  # our Gluon weight gradient where it can run the launch
         configs += [dataclasses.replace(heuristic(role), gluon=True, gluon_block_n=n, gluon_stages=s,
                                         gluon_tma_store=t, atomic_accumulate=atomic)
@@ -149,13 +158,23 @@ def candidates(role: str) -> list[TileConfig]:
             configs += _gluon_tiles(heuristic(role), GLUON_ROWS_CANDIDATES)
     if role == "gate_up" and _hopper():  # our Gluon SwiGLU kernel where it can run the launch
         configs += _gluon_tiles(heuristic(role), GLUON_SWIGLU_CANDIDATES)
-    if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's,
-        # or on a Hopper our Gluon kernel's)
+    if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, loading and storing by
+        # TMA too, or the library's, or on a Hopper our Gluon kernel's)
         plain = dataclasses.replace(heuristic("down"), split_epilogue=True)
         configs += [plain, dataclasses.replace(plain, library=True)]
+        configs += [dataclasses.replace(c, tma=True, tma_store=True, split_epilogue=True)
+                    for c in _bf16_tiles(ROW_GEMM_CANDIDATES) if not c.flatten and tma_store_fits(c, "down")]
         if _hopper():
             configs += _gluon_tiles(plain, GLUON_ROWS_CANDIDATES)
     return configs
+
+
+def tma_store_fits(config: TileConfig, role: str) -> bool:
+    """Whether a row GEMM tile's TMA-store buffer ([block_m, block_n] bf16, one for the tile's boxes in turn) fits
+    beside its ring of `num_stages` A and B boxes (two B boxes for the SwiGLU launch) in a Hopper's shared memory."""
+    b_boxes = 2 if role == "gate_up" else 1
+    ring = config.num_stages * (config.block_m + b_boxes * config.block_n) * config.block_k * 2
+    return ring + config.block_m * config.block_n * 2 <= HOPPER_SHARED_MEMORY_BYTES - SHARED_MEMORY_RESERVE_BYTES
 
 
 def _gluon_tiles(triton_tile: TileConfig, table: list[tuple[int, int, int, bool]]) -> list[TileConfig]:

@@ -91,7 +91,7 @@ def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags
 @triton.jit
 def _ragged_rows_gemm_kernel(
     a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr, act_ptr,
-    a_rows_ptr, scale_ptr, rowdot_ptr, a_desc, b_desc,
+    a_rows_ptr, scale_ptr, rowdot_ptr, a_desc, b_desc, out_desc, h13_desc,
     seg_ptr, expected_ptr, counters_ptr, flags_ptr, n_segments,
     E, E_W, K, C, F_UP, num_programs, n_rows, B_ROWS,
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
@@ -100,7 +100,7 @@ def _ragged_rows_gemm_kernel(
     SAVE_ACT: tl.constexpr, GATHER_A: tl.constexpr, ROW_SCALE: tl.constexpr, QUANT_OUT: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr, EPI_CHUNK: tl.constexpr,
-    TMA: tl.constexpr, B_T: tl.constexpr,
+    TMA: tl.constexpr, B_T: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     # EPILOGUE: 0 plain, 1 SwiGLU, 2 SwiGLU gradient (the EPILOGUE_* constants below the imports).
     # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
@@ -124,6 +124,11 @@ def _ragged_rows_gemm_kernel(
     # transposed in shared memory). A box's rows past the group's last row (the next group's, or zeros
     # past N) and columns past C (the up columns, the next weight's, or zeros) reach only output rows
     # and columns the stores mask: each output element reads its own row of a and column of b.
+    # TMA_STORE (`TileConfig.tma_store`; plain or SwiGLU epilogue, neither scattered, signalled nor quantised, C a
+    # multiple of BLOCK_N): a tile whose rows lie wholly inside its group is written through shared memory by TMA
+    # (out_desc [N, C], h13_desc [N, 2C], boxes [BLOCK_M, BLOCK_N]), the copy of the tile's last box draining under
+    # the next item's main loop (Triton waits for a box's shared-memory read only before the buffer's next write);
+    # a group's last, partial tile keeps the masked stores (a box would write the next group's rows).
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
     idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
@@ -192,25 +197,46 @@ def _ragged_rows_gemm_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
+        tile_row = row_start + pid_m * BLOCK_M
         if EPILOGUE == 0:
             if SCATTER:
                 out_rows = tl.load(dst_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
             else:
                 out_rows = rows64
             out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_oc
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            if TMA_STORE:
+                if tile_row + BLOCK_M <= row_end:
+                    out_desc.store([tile_row, pid_n * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+                else:
+                    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            else:
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
             if SIGNAL:
                 _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr)
         elif EPILOGUE == 1:
-            act = acc * tl.sigmoid(acc) * acc_up
-            if QUANT_OUT:  # h13 first: the two accumulators die before the quantisation (at the tuned gate/up
+            if TMA_STORE:
+                if tile_row + BLOCK_M <= row_end:
+                    act = acc * tl.sigmoid(acc) * acc_up
+                    out_desc.store([tile_row, pid_n * BLOCK_N], act.to(out_ptr.dtype.element_ty))
+                    if SAVE_H13:
+                        h13_desc.store([tile_row, pid_n * BLOCK_N], acc.to(h13_ptr.dtype.element_ty))
+                        h13_desc.store([tile_row, C + pid_n * BLOCK_N], acc_up.to(h13_ptr.dtype.element_ty))
+                else:
+                    act = acc * tl.sigmoid(acc) * acc_up
+                    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+                    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
+                    if SAVE_H13:
+                        _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
+            elif QUANT_OUT:  # h13 first: the two accumulators die before the quantisation (at the tuned gate/up
                 # tiles it spilled 48-164 bytes with them alive; the plain order below spills less as it is)
+                act = acc * tl.sigmoid(acc) * acc_up
                 if SAVE_H13:
                     _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
                 rounded = act.to(a_ptr.dtype.element_ty).to(tl.float32)
                 fr._quantize_group_store(tl.where(ok, rounded, 0.0), ok, row_ok, rows64, cols, pid_n, out_ptr,
                                          act_ptr, stride_om, stride_oc, stride_xm, stride_xc)
             else:
+                act = acc * tl.sigmoid(acc) * acc_up
                 out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
                 tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
                 if SAVE_H13:
@@ -546,9 +572,13 @@ def ragged_rows_gemm(
     descs = (rows_gemm_descriptors(a_NK, b_EKC, config)
              if a_rows_N is None and row_scale is None and k % config.block_k == 0 else None)
     a_desc, b_desc, b_rows, b_t = descs or (None, None, 0, False)
+    stores = (rows_store_descriptors(out, h13_N2C if epilogue == EPILOGUE_SWIGLU else None, cols, config)
+              if epilogue in (EPILOGUE_PLAIN, EPILOGUE_SWIGLU) and dst_rows_N is None and signal is None
+              and quantized_out is None else None)
+    out_desc, h13_desc = stores or (None, None)
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E, act,
-        a_rows_N if a_rows_N is not None else offsets_E, scale, rowdot, a_desc, b_desc,
+        a_rows_N if a_rows_N is not None else offsets_E, scale, rowdot, a_desc, b_desc, out_desc, h13_desc,
         sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.expected_S.numel(),
         groups, experts, k, cols, cols, programs, n_rows, b_rows,
         a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
@@ -559,10 +589,24 @@ def ragged_rows_gemm(
         ROW_SCALE=row_scale is not None, QUANT_OUT=quantized_out is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
-        FLATTEN=config.flatten, EPI_CHUNK=epi_chunk, TMA=descs is not None, B_T=b_t,
+        FLATTEN=config.flatten, EPI_CHUNK=epi_chunk, TMA=descs is not None, B_T=b_t, TMA_STORE=stores is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def rows_store_descriptors(out_NC: torch.Tensor, h13_N2C: torch.Tensor | None, cols: int, config: TileConfig,
+                           ) -> tuple[TensorDescriptor, TensorDescriptor | None] | None:
+    """(out's descriptor, h13's or None) for a plain or SwiGLU row GEMM's TMA-store epilogue (`TileConfig.tma_store`,
+    `_ragged_rows_gemm_kernel`'s TMA_STORE), or None where the launch stores through pointers: no `tma_store` in the
+    config, a flattened loop (its epilogue inside the fused loop), C not whole column tiles (a box of gate columns
+    would reach the up ones), or an output TMA cannot address (`tma_takes`)."""
+    if not config.tma_store or config.flatten or cols % config.block_n or not tma_takes(out_NC) \
+            or (h13_N2C is not None and not tma_takes(h13_N2C)):
+        return None
+    box = [config.block_m, config.block_n]
+    return (TensorDescriptor.from_tensor(out_NC, box),
+            None if h13_N2C is None else TensorDescriptor.from_tensor(h13_N2C, box))
 
 
 def swiglu_quantizes(config: TileConfig) -> bool:

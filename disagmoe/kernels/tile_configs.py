@@ -88,6 +88,16 @@ class TileConfig:
     # kernels ignore it. `bench tune-experts` offers the atomic and the prefetching wgrad tiles and the row tiles
     # both ways
     tma: bool = False
+    # the row GEMMs' plain and SwiGLU epilogues (down, gate/up and its data gradient, down dgrad's split plain GEMM):
+    # each tile whose rows lie inside its group stored by TMA through shared memory (`grouped_gemm.
+    # rows_store_descriptors`; the SwiGLU form's act and both pre-activations), the last box's copy draining under
+    # the next tile's main loop, where our Triton kernel otherwise issues the masked stores from the MMA layout
+    # between its main loops (the gate/up GEMM writes 3 bf16 columns a row for every 2 of K x 2F it multiplies: 5x
+    # the down GEMM's bytes a FLOP at Mixtral's shape). A group's last partial tile, scattered, signalled or
+    # quantised results, flattened loops and C off the column tiles keep the masked stores. One more
+    # [block_m, block_n] buffer in shared memory beside the ring: tiles it does not fit fail to launch and the tuner
+    # skips them. `bench tune-experts` offers it on every TMA-loading row tile
+    tma_store: bool = False
     # down, gate/up data gradient and gate/up: run the launch as our warp-specialised Gluon kernel
     # (`kernels.gluon_rows`: a TMA producer warp, two consumer warpgroups, Hopper only; the gate/up GEMM's SwiGLU
     # epilogue in `gluon_swiglu_gemm`) at its own tile, gluon_block_m x gluon_block_n with gluon_stages ring stages,

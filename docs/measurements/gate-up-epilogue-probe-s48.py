@@ -6,13 +6,15 @@
 #   act      SwiGLU epilogue, act only (no h13: 2F of each row's 3F bf16 columns not written)
 #   plain    no epilogue: x @ w13 into [rows, 2F] at the down GEMM's tile (the bare GEMM of the same FLOPs)
 #   gluon    the Gluon SwiGLU kernel at each of the tuner's tiles (act by TMA where it says so), h13 stored
+#   stored   our Triton kernel storing act and h13 by TMA (`TileConfig.tma_store`, session 48) at each gate/up tile
+#            the tuner offers it on
 # The gap train - plain is what the epilogue costs; train - act what storing h13 costs of it.
 # Run: python docs/measurements/gate-up-epilogue-probe-s48.py   (one GPU; about a minute with a warm Triton cache)
 import dataclasses
 
 import torch
 
-from disagmoe.bench.tune_experts import GLUON_SWIGLU_CANDIDATES
+from disagmoe.bench.tune_experts import GLUON_SWIGLU_CANDIDATES, candidates
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 
@@ -56,6 +58,10 @@ def probe(name, E, H, F, per_expert):
         tile = dataclasses.replace(tiles.gate_up, gluon=True, gluon_block_m=bm, gluon_block_n=bn, gluon_stages=stages,
                                    gluon_tma_store=tma)
         variants[f"gluon {bm}x{bn} s{stages}{' tma' if tma else ''}"] = (
+            lambda tile=tile: gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
+                                                  out=act), 3 * F)
+    for tile in (t for t in candidates("gate_up") if t.tma_store):
+        variants[f"stored {tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"] = (
             lambda tile=tile: gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
                                                   out=act), 3 * F)
     for label, (fn, stored_columns) in variants.items():

@@ -970,7 +970,7 @@ def test_the_tma_row_gemms_load_by_tensor_map_without_spills(monkeypatch):
     bad = []
     for role, launch in launches.items():
         for tile in tuner.candidates(role):
-            if tile.tma and not tile.library and not tile.split_epilogue:
+            if tile.tma and not tile.library and not tile.split_epilogue and not tile.tma_store:  # (the next test's)
                 label[0] = f"{role} {tile}"
                 launch(tile)
                 if found[-1][1:3] != (True, True):
@@ -985,6 +985,60 @@ def test_the_tma_row_gemms_load_by_tensor_map_without_spills(monkeypatch):
     gathered = next(t for t in tuner.candidates("down") if t.tma)
     gg.ragged_rows_gemm(act, offsets, w2, gathered, a_rows_N=torch.arange(rows, dtype=torch.int32), num_programs=8)
     assert [f[1] for f in found] == [False]
+
+
+def test_the_row_gemms_store_by_tensor_map_where_the_tuner_offers_it(monkeypatch):
+    """`TileConfig.tma_store` at every tile the tuner offers it on (`tune_experts.tma_store_fits`), bf16, for sm_90a:
+    the gate/up SwiGLU launch with its pre-activations, the down launch, the gate/up data gradient and down dgrad's
+    split plain GEMM each store through a tensor map (`cp.async.bulk.tensor.2d.global.shared::cta`) from one
+    [block_m, block_n] buffer beside the ring, within a Hopper's shared memory as the tuner's arithmetic says, and
+    without the TMA-loading twin's store instructions; ptxas keeps at most one register for the item loop in local
+    memory (found: 4-8 bytes of spill stores at the gate/up tiles, one store before the item loop and one load at
+    its end, none in the K loop), none at the plain epilogue's tiles."""
+    import dataclasses
+    import re
+
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+
+    backend = make_backend(HOPPER)
+    found = []
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        kernel = compile_for_hopper(self, backend, args, kwargs)
+        ptx = kernel.asm["ptx"]
+        stores = len(re.findall(r"st\.global", ptx))
+        found.append(("cp.async.bulk.tensor.2d.global.shared::cta" in ptx, spill_store_bytes(ptx),
+                      kernel.metadata.shared, stores))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    rows, experts, hidden, ffn = 1024, 4, 512, 256
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    bf16 = dict(dtype=torch.bfloat16)
+    x, dy = torch.zeros(rows, hidden, **bf16), torch.zeros(rows, hidden, **bf16)
+    h13, dh13 = torch.zeros(rows, 2 * ffn, **bf16), torch.zeros(rows, 2 * ffn, **bf16)
+    act = torch.zeros(rows, ffn, **bf16)
+    w13, w2 = torch.zeros(experts, hidden, 2 * ffn, **bf16), torch.zeros(experts, ffn, hidden, **bf16)
+    launches = {
+        "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
+                                                 out=act, num_programs=8),
+        "down": lambda c: gg.ragged_rows_gemm(act, offsets, w2, c, num_programs=8),
+        "down_dgrad": lambda c: gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2),
+                                                    dataclasses.replace(c, split_epilogue=False), num_programs=8),
+        "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c, num_programs=8),
+    }
+    bad, tried = [], 0
+    for role, launch in launches.items():
+        for tile in (t for t in tuner.candidates(role) if t.tma_store):
+            tried += 1
+            launch(dataclasses.replace(tile, tma_store=False))
+            launch(tile)
+            (_, _, loaded_shared, loaded_stores), (bulk, spilled, shared, stores) = found[-2:]
+            buffer = tile.block_m * tile.block_n * 2
+            if not bulk or shared != loaded_shared + buffer or shared > tuner.HOPPER_SHARED_MEMORY_BYTES \
+                    or spilled > (8 if role == "gate_up" else 0) or stores > loaded_stores:
+                bad.append((role, tile, found[-2:]))
+    assert tried >= 4 * 6 and not bad, bad
 
 
 def _first_loop_sass(sass: str) -> list[str]:

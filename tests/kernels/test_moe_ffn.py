@@ -360,6 +360,43 @@ def test_tma_row_gemms_give_the_pointer_loads_ffn(kernels, counts, hidden, ffn):
     assert all(_rel_err(got, leaf.grad) < 1e-5 for got, leaf in zip(results[1][1:], ref_leaves))
 
 
+@pytest.mark.parametrize("counts,hidden,ffn", [
+    ([32, 0, 37, 16], 32, 48), ([0, 48, 0], 64, 16),
+    pytest.param([17, 16, 0, 33, 2], 48, 40, marks=pytest.mark.slow)],
+    ids=["full-and-partial-tiles", "one-expert-whole-tiles", "ffn-off-the-column-tile"])
+def test_tma_stores_give_the_masked_stores_ffn(kernels, counts, hidden, ffn):
+    """`TileConfig.tma_store` (`rows_store_descriptors`): the gate/up SwiGLU launch (act and both pre-activations by
+    TMA), the down launch, the down data gradient's split plain GEMM and the gate/up data gradient store their
+    tiles wholly inside a group by TMA and a group's last partial tile through masked pointers: the forward, dx,
+    dw13 and dw2 are the masked stores' very bits, with the outputs' rows never written by either left as they were
+    (NaN-filled before); an ffn off the 16-column tile (40) keeps the SwiGLU launch on masked stores."""
+    gg, moe_ffn = kernels
+    x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.float32, "cpu", seed=len(counts) + 40)
+    dy = torch.randn(x.shape[0], hidden, generator=torch.Generator().manual_seed(19))
+    stored = dataclasses.replace(SMALL_TILES, tma=True, tma_store=True)
+    h13 = torch.empty(x.shape[0], 2 * ffn)
+    assert (gg.rows_store_descriptors(x, h13, ffn, stored) is None) == (ffn % stored.block_n != 0)
+    assert gg.rows_store_descriptors(x, h13, ffn, SMALL_TILES) is None
+    assert gg.rows_store_descriptors(x, None, hidden, dataclasses.replace(stored, flatten=True)) is None
+    results = []
+    for tiles in (dataclasses.replace(SMALL_TILES, tma=True), stored):
+        ffn_tiles = dataclasses.replace(moe_ffn.FFNTiles.uniform(tiles),
+                                        down_dgrad=dataclasses.replace(tiles, split_epilogue=True))
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        y = moe_ffn.expert_ffn_triton(leaves[0], offsets, leaves[1], leaves[2], tiles=ffn_tiles, num_programs=3)
+        y.backward(dy)
+        pre = torch.full((x.shape[0], 2 * ffn), float("nan"))
+        act = gg.ragged_rows_gemm(x, offsets, w13, tiles, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=pre,
+                                  out=torch.full((x.shape[0], ffn), float("nan")), num_programs=2)
+        results.append([y.detach(), *(leaf.grad for leaf in leaves), act, pre])
+    for masked, by_tma in zip(*results):
+        assert torch.isfinite(by_tma).all() and torch.equal(masked, by_tma)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y_ref = moe_ffn.expert_ffn_reference(ref_leaves[0], offsets, ref_leaves[1], ref_leaves[2])
+    y_ref.backward(dy)
+    assert _rel_err(results[1][0], y_ref) < 1e-5
+
+
 def test_row_dots_keep_pointer_loads_under_tma(kernels):
     """`row_scale` (the SwiGLU-gradient epilogue's row dots sum the tile's columns) keeps a TMA tile on
     pointer loads: a box past C would read the next weight's rows, and an inf there (expert 1 has no
@@ -504,6 +541,36 @@ def test_gpu_tma_row_gemms_give_the_pointer_loads_ffn(counts, hidden, ffn):
     torch.cuda.synchronize()
     for pointers, loaded in zip(*results):
         assert torch.equal(pointers, loaded)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,hidden,ffn", [([256, 0, 1024, 128], 512, 384), ([129, 511, 64, 3, 900], 1024, 256)])
+def test_gpu_tma_stores_give_the_masked_stores_ffn(counts, hidden, ffn):
+    """`TileConfig.tma_store` on the GPU at every tile the tuner offers it on: the gate/up, down, gate/up dgrad and
+    down dgrad's split plain launches store their whole tiles by TMA and a group's partial last tile masked, and the
+    forward and the three gradients are the masked stores' very bits (bf16; counts of whole 128-row tiles, partial
+    ones and an empty expert)."""
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import moe_ffn
+
+    x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.bfloat16, "cuda", seed=6)
+    dy = torch.randn_like(x)
+    stored = {role: [t for t in tuner.candidates(role) if t.tma_store]
+              for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad")}
+    for i in range(max(len(tiles) for tiles in stored.values())):
+        picks = {role: tiles[i % len(tiles)] for role, tiles in stored.items()}
+        results = []
+        for tma_store in (False, True):
+            tiles = moe_ffn.FFNTiles(**{role: dataclasses.replace(tile, tma_store=tma_store)
+                                        for role, tile in picks.items()},
+                                     wgrad_w2=tuner.heuristic("wgrad_w2"), wgrad_w13=tuner.heuristic("wgrad_w13"))
+            leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+            y = moe_ffn.expert_ffn_triton(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles)
+            y.backward(dy)
+            results.append([y.detach(), *(leaf.grad for leaf in leaves)])
+        torch.cuda.synchronize()
+        for masked, by_tma in zip(*results):
+            assert torch.equal(masked, by_tma), picks
 
 
 @pytest.mark.gpu
