@@ -80,10 +80,16 @@ def test_the_tuner_offers_the_split_epilogue_for_the_down_data_gradient_only():
     from disagmoe.bench.tune_experts import candidates
     from disagmoe.kernels.tile_configs import ROLES
 
+    from disagmoe.bench.tune_experts import tma_store_fits
+
     for role in ROLES:
-        split = [c for c in candidates(role) if c.split_epilogue]
+        split = [c for c in candidates(role) if c.split_epilogue and not c.tma_store]
         assert len(split) == (2 if role == "down_dgrad" else 0), role
     assert {c.library for c in candidates("down_dgrad") if c.split_epilogue} == {False, True}
+    # and its plain GEMM at every row tile loading and storing by TMA where the store's buffer fits (session 48)
+    stored = [c for c in candidates("down_dgrad") if c.tma_store]
+    assert stored and all(c.split_epilogue and c.tma and not c.library and tma_store_fits(c, "down") for c in stored)
+    assert not any(c.tma_store and not c.split_epilogue for c in candidates("down_dgrad"))  # not the fused epilogue's
 
 
 @pytest.mark.gpu
