@@ -197,6 +197,11 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     split = [c for c in tuner.candidates("down_dgrad") if c.gluon]  # its SwiGLU gradient split off a Gluon GEMM
     assert len(split) == len(tuner.GLUON_ROWS_CANDIDATES) and all(c.split_epilogue for c in split)
     assert not any(c.tma and c.flatten for c in tuner.candidates("gate_up"))
+    for role in ("gate_up", "down", "gate_up_dgrad"):  # TMA stores on the TMA-loading tiles their buffer fits beside
+        stored = [c for c in tuner.candidates(role) if c.tma_store]
+        assert stored and all(c.tma and not c.flatten and tuner.tma_store_fits(c, role) for c in stored), role
+        assert {dataclasses.replace(c, tma_store=False) for c in stored} <= set(tuner.candidates(role))
+    assert not tuner.tma_store_fits(TileConfig(block_m=128, block_n=256, block_k=64, num_stages=4), "down")
 
 
 def test_each_class_is_saved_as_soon_as_it_is_tuned(monkeypatch, tmp_path):
