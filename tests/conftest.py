@@ -105,6 +105,32 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _patch_interpreter_descriptor_reduce() -> None:
+    """Triton 3.6's interpreter has no `create_descriptor_reduce` (a tensor descriptor's `atomic_add`, which a GPU
+    runs as the tensor memory accelerator's reduce-add: the weight gradient's `TileConfig.tma_store` epilogue). The
+    add as the hardware does it, for the interpreter's one program at a time: the box's elements inside the tensor
+    read, added and written back, those outside it (clipped by the descriptor's bounds) left alone."""
+    import numpy as np
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if hasattr(builder, "create_descriptor_reduce"):
+        return
+
+    def create_descriptor_reduce(self, kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"the interpreter's descriptor reduce takes ADD only, not {kind}")
+        ptrs, mask = desc.materialize_pointers(indices)
+        other = interpreter.TensorHandle(np.zeros_like(value.data), value.dtype)
+        prior = self.create_masked_load(ptrs, mask, other, cache_modifier=None, eviction_policy=None,
+                                        is_volatile=False)
+        total = interpreter.TensorHandle(prior.data + value.data, value.dtype)
+        return self.create_masked_store(ptrs, total, mask, None, None)
+
+    builder.create_descriptor_reduce = create_descriptor_reduce
+
+
 def _patch_device_call_restore() -> None:
     """Triton 3.6's interpreter patches triton.language for a device-function call (a @triton.jit
     helper called from a kernel: tl.cdiv, a kernel module's own helpers) and, unlike a launch,
@@ -240,6 +266,7 @@ def interpreted():
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     _patch_interpreter_index()
+    _patch_interpreter_descriptor_reduce()
     _patch_device_call_restore()
     _patch_lang_once()
     _patch_np_dtype_lookup()

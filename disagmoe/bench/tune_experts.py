@@ -137,9 +137,13 @@ def candidates(role: str) -> list[TileConfig]:
         # at 4 warps, or wider, it spills), both ways of loading the rows
         prefetch = [dataclasses.replace(c, prefetch_accumulator=True) for c in configs
                     if c.num_warps == 8 and c.block_k * c.block_n <= PREFETCH_TILE_ELEMENTS]
-        configs += (atomic + [dataclasses.replace(c, tma=True) for c in atomic]
-                    + _bf16_tiles(WGRAD_TMA_CANDIDATES, atomic_accumulate=True, tma=True)
-                    + prefetch + [dataclasses.replace(c, tma=True) for c in prefetch])
+        loaded = [dataclasses.replace(c, tma=True) for c in atomic] + _bf16_tiles(WGRAD_TMA_CANDIDATES,
+                                                                                  atomic_accumulate=True, tma=True)
+        # and the atomic TMA tiles adding by the tensor memory accelerator's reduce-add where its fp32 buffer fits
+        # beside the ring (`grouped_gemm.weight_grad_store_descriptor`), not flattened
+        reduced = [dataclasses.replace(c, tma_store=True) for c in loaded
+                   if not c.flatten and tma_store_fits(c, role)]
+        configs += (atomic + loaded + reduced + prefetch + [dataclasses.replace(c, tma=True) for c in prefetch])
     else:  # each row GEMM tile also with TMA loads (`grouped_gemm.rows_gemm_descriptors`), but the flattened
         # gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas); and those of the
         # plain and SwiGLU epilogues (not down dgrad's fused one) also storing by TMA where the buffer fits beside
@@ -170,11 +174,18 @@ def candidates(role: str) -> list[TileConfig]:
 
 
 def tma_store_fits(config: TileConfig, role: str) -> bool:
-    """Whether a row GEMM tile's TMA-store buffer ([block_m, block_n] bf16, one for the tile's boxes in turn) fits
-    beside its ring of `num_stages` A and B boxes (two B boxes for the SwiGLU launch) in a Hopper's shared memory."""
-    b_boxes = 2 if role == "gate_up" else 1
-    ring = config.num_stages * (config.block_m + b_boxes * config.block_n) * config.block_k * 2
-    return ring + config.block_m * config.block_n * 2 <= HOPPER_SHARED_MEMORY_BYTES - SHARED_MEMORY_RESERVE_BYTES
+    """Whether a tile's TMA-store buffer fits beside its ring of `num_stages` operand boxes in a Hopper's shared
+    memory: a row GEMM's [block_m, block_n] bf16 (one buffer for the tile's boxes in turn) beside its A and B boxes
+    (two B boxes for the SwiGLU launch); a weight gradient's [block_k / 2, block_n] fp32 (the main gradient's sums,
+    half a tile's rows at a time) beside its [block_m, block_k] and [block_m, block_n] row boxes."""
+    if role.startswith("wgrad"):
+        ring = config.num_stages * config.block_m * (config.block_k + config.block_n) * 2
+        buffer = config.block_k // 2 * config.block_n * 4
+    else:
+        b_boxes = 2 if role == "gate_up" else 1
+        ring = config.num_stages * (config.block_m + b_boxes * config.block_n) * config.block_k * 2
+        buffer = config.block_m * config.block_n * 2
+    return ring + buffer <= HOPPER_SHARED_MEMORY_BYTES - SHARED_MEMORY_RESERVE_BYTES
 
 
 def _gluon_tiles(triton_tile: TileConfig, table: list[tuple[int, int, int, bool]]) -> list[TileConfig]:

@@ -390,12 +390,12 @@ def _group_rows_dot(a_desc, b_desc, a_ptr, b_ptr, offsets_ptr, group, k0, c0, ks
 
 @triton.jit
 def _ragged_weight_grad_kernel(
-    a_ptr, b_ptr, out_ptr, offsets_ptr, a_desc, b_desc, a2_ptr, b2_ptr, offsets2_ptr, a2_desc, b2_desc,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, a_desc, b_desc, a2_ptr, b2_ptr, offsets2_ptr, a2_desc, b2_desc, out_desc,
     E, E_W, KA, C, num_programs,
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr, BANDED: tl.constexpr, ATOMIC: tl.constexpr,
-    TMA: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
+    TMA: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     # Contract: a [N, KA], b [N, C] rows in E row groups over E_W weights; out [E_W, KA, C],
     # out[e] = sum over groups g = e mod E_W of a[rows_g]^T @ b[rows_g] (ACCUMULATE: out += it,
@@ -410,6 +410,11 @@ def _ragged_weight_grad_kernel(
     # PAIRED (not BANDED): a second row set (a2 [N2, KA], b2 [N2, C], offsets2 over the same E groups, a's
     # and b's strides; a2_desc, b2_desc under TMA), e.g. the next micro-batch's rows (`kernels.wgrad_pairs`):
     # out[e] (+)= a[rows_e]^T @ b[rows_e] + a2[rows2_e]^T @ b2[rows2_e], one fp32 sum, one write of out.
+    # TMA_STORE (`TileConfig.tma_store`; KA a multiple of BLOCK_K, so that no tile reaches the next weight's rows):
+    # out_desc, out as [E_W x KA, C] rows in boxes [BLOCK_K / 2, BLOCK_N], writes each tile's two halves of rows in
+    # turn through one shared-memory buffer by TMA: ATOMIC's add as the tensor memory accelerator's reduce-add
+    # (cp.reduce.async.bulk .add, done at L2 as the relaxed atomics are: the same bits, denormals flushed alike),
+    # else the stored sum; the second half's copy drains under the next tile's row loop.
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -438,14 +443,26 @@ def _ragged_weight_grad_kernel(
             acc = _group_rows_dot(a2_desc, b2_desc, a2_ptr, b2_ptr, offsets2_ptr, expert, pid_k * BLOCK_K,
                                   pid_n * BLOCK_N, ks, k_ok, cols, col_ok, acc,
                                   stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M, TMA)
+        tile_row = expert * KA + pid_k * BLOCK_K
         if ACCUMULATE and ATOMIC:
-            tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
+            if TMA_STORE:  # in two halves of rows through one buffer: half the shared memory beside the ring
+                top, bottom = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_K // 2, BLOCK_N)), (1, 2, 0)))
+                out_desc.atomic_add([tile_row, pid_n * BLOCK_N], top)
+                out_desc.atomic_add([tile_row + BLOCK_K // 2, pid_n * BLOCK_N], bottom)
+            else:
+                tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
         else:
             if PREFETCH:
                 acc += prior
             elif ACCUMULATE:
                 acc += tl.load(out_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+            if TMA_STORE:
+                top, bottom = tl.split(tl.permute(tl.reshape(acc.to(out_ptr.dtype.element_ty),
+                                                             (2, BLOCK_K // 2, BLOCK_N)), (1, 2, 0)))
+                out_desc.store([tile_row, pid_n * BLOCK_N], top)
+                out_desc.store([tile_row + BLOCK_K // 2, pid_n * BLOCK_N], bottom)
+            else:
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -600,9 +617,9 @@ def rows_store_descriptors(out_NC: torch.Tensor, h13_N2C: torch.Tensor | None, c
     """(out's descriptor, h13's or None) for a plain or SwiGLU row GEMM's TMA-store epilogue (`TileConfig.tma_store`,
     `_ragged_rows_gemm_kernel`'s TMA_STORE), or None where the launch stores through pointers: no `tma_store` in the
     config, a flattened loop (its epilogue inside the fused loop), C not whole column tiles (a box of gate columns
-    would reach the up ones), or an output TMA cannot address (`tma_takes`)."""
-    if not config.tma_store or config.flatten or cols % config.block_n or not tma_takes(out_NC) \
-            or (h13_N2C is not None and not tma_takes(h13_N2C)):
+    would reach the up ones), or an output TMA cannot address (`tma_store_takes`)."""
+    if not config.tma_store or config.flatten or cols % config.block_n or not tma_store_takes(out_NC) \
+            or (h13_N2C is not None and not tma_store_takes(h13_N2C)):
         return None
     box = [config.block_m, config.block_n]
     return (TensorDescriptor.from_tensor(out_NC, box),
@@ -805,17 +822,34 @@ def ragged_weight_grad(
     paired_tma = tma and second is not None
     a2_desc = TensorDescriptor.from_tensor(a2_NK, [config.block_m, config.block_k]) if paired_tma else None
     b2_desc = TensorDescriptor.from_tensor(b2_NC, [config.block_m, config.block_n]) if paired_tma else None
+    out_desc = weight_grad_store_descriptor(out, config, banded)
     _ragged_weight_grad_kernel[(programs,)](
-        a_NK, b_NC, out, offsets_E, a_desc, b_desc, a2_NK, b2_NC, offsets2_E, a2_desc, b2_desc,
+        a_NK, b_NC, out, offsets_E, a_desc, b_desc, a2_NK, b2_NC, offsets2_E, a2_desc, b2_desc, out_desc,
         groups, experts, k, cols, programs,
         a_NK.stride(0), a_NK.stride(1), b_NC.stride(0), b_NC.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FLATTEN=config.flatten and not banded, ACCUMULATE=accumulate,
         BANDED=banded, ATOMIC=atomic, TMA=tma, PREFETCH=accumulate and not atomic and config.prefetch_accumulator,
-        PAIRED=second is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        PAIRED=second is not None, TMA_STORE=out_desc is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
+
+
+def weight_grad_store_descriptor(out_EKC: torch.Tensor, config: TileConfig, banded: bool) -> TensorDescriptor | None:
+    """out's descriptor as [E x K, C] rows for the weight gradient's TMA epilogue (`TileConfig.tma_store`,
+    `_ragged_weight_grad_kernel`'s TMA_STORE: the reduce-add under `atomic_accumulate`, else the store), or None
+    where its tiles are written through pointers: no `tma_store`, a flattened loop (the tile config's `flatten` where
+    not banded), K not whole BLOCK_K tiles (a box would reach the next weight's rows), or rows TMA cannot address
+    (`tma_store_takes`)."""
+    experts, k, cols = out_EKC.shape
+    if not config.tma_store or (config.flatten and not banded) or k % config.block_k or config.block_k < 16 \
+            or out_EKC.stride(0) != k * out_EKC.stride(1):
+        return None
+    rows_KC = out_EKC.as_strided((experts * k, cols), (out_EKC.stride(1), out_EKC.stride(2)))
+    box = [config.block_k // 2, config.block_n]  # a tile's rows in two halves (`_ragged_weight_grad_kernel`)
+    return TensorDescriptor.from_tensor(rows_KC, box) if tma_store_takes(rows_KC) else None
 
 
 def gluon_wgrad_takes(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor, config: TileConfig,
@@ -830,6 +864,19 @@ def gluon_wgrad_takes(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.T
     return gluon_wgrad.takes(a_NK, b_NC, offsets_E, block_n=config.gluon_block_n, stages=config.gluon_stages,
                              out=out, accumulate=accumulate, tma_epilogue=config.gluon_tma_store, weights=experts,
                              second=second, atomic=config.atomic_accumulate, group_m=config.group_m)
+
+
+def tma_store_takes(t_NC: torch.Tensor) -> bool:
+    """Whether TMA can write `t_NC` (`TileConfig.tma_store`): `tma_takes`' layout (not empty, rows contiguous, base
+    address and row stride 16-byte aligned), in bf16, fp16 or fp32 (the copy moves bytes: no MMA reads them) on a
+    Hopper or newer GPU, or any float in the CPU interpreter."""
+    if (t_NC.dim() != 2 or t_NC.numel() == 0 or t_NC.stride(1) != 1 or t_NC.data_ptr() % 16
+            or (t_NC.stride(0) * t_NC.element_size()) % 16):
+        return False
+    if t_NC.device.type == "cpu":
+        return True
+    return (t_NC.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and torch.cuda.get_device_capability(t_NC.device)[0] >= 9)
 
 
 def tma_takes(t_NK: torch.Tensor) -> bool:

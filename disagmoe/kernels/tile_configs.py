@@ -96,7 +96,11 @@ class TileConfig:
     # the down GEMM's bytes a FLOP at Mixtral's shape). A group's last partial tile, scattered, signalled or
     # quantised results, flattened loops and C off the column tiles keep the masked stores. One more
     # [block_m, block_n] buffer in shared memory beside the ring: tiles it does not fit fail to launch and the tuner
-    # skips them. `bench tune-experts` offers it on every TMA-loading row tile
+    # skips them. The weight gradients: each tile's fp32 sums written, or (`atomic_accumulate`) reduce-added into the
+    # main gradient, by TMA in two halves of rows through one [block_k / 2, block_n] buffer (`grouped_gemm.
+    # weight_grad_store_descriptor`; K whole block_k tiles), instead of the relaxed atomics from registers.
+    # `bench tune-experts` offers it on every TMA-loading row tile and atomic weight-gradient tile its buffer fits
+    # beside (`tune_experts.tma_store_fits`)
     tma_store: bool = False
     # down, gate/up data gradient and gate/up: run the launch as our warp-specialised Gluon kernel
     # (`kernels.gluon_rows`: a TMA producer warp, two consumer warpgroups, Hopper only; the gate/up GEMM's SwiGLU

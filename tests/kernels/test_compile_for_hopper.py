@@ -1041,6 +1041,47 @@ def test_the_row_gemms_store_by_tensor_map_where_the_tuner_offers_it(monkeypatch
     assert tried >= 4 * 6 and not bad, bad
 
 
+def test_the_weight_gradient_reduce_adds_by_tensor_map_where_the_tuner_offers_it(monkeypatch):
+    """`TileConfig.tma_store` in the weight gradient at every tile the tuner offers it on, bf16 rows into an fp32
+    main gradient with the atomic epilogue, for sm_90a: each tile's two halves of rows reduce-added through a tensor
+    map (`cp.reduce.async.bulk.tensor`) from one [block_k / 2, block_n] fp32 buffer beside the ring, within a
+    Hopper's shared memory, without spills (the tuner's winner on Mixtral's w13 and w2 on an H200, 64 x 256 x 128
+    at 3 stages, fits only so: the whole tile's buffer would take 128 KiB)."""
+    import dataclasses
+
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    backend = make_backend(HOPPER)
+    found = []
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        kernel = compile_for_hopper(self, backend, args, kwargs)
+        ptx = kernel.asm["ptx"]
+        found.append((ptx.count("cp.reduce.async.bulk.tensor"), spill_store_bytes(ptx), kernel.metadata.shared))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    rows, experts, hidden, cols = 1024, 4, 256, 512
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
+    main = torch.zeros(experts, hidden, cols)
+    tiles = [t for t in tuner.candidates("wgrad_w13") if t.tma_store]
+    assert TileConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3, atomic_accumulate=True,
+                      tma=True, tma_store=True) in tiles
+    bad = []
+    for tile in tiles:
+        gg.ragged_weight_grad(x, dh, offsets, dataclasses.replace(tile, tma_store=False), out=main, accumulate=True,
+                              num_programs=8)
+        gg.ragged_weight_grad(x, dh, offsets, tile, out=main, accumulate=True, num_programs=8)
+        (_, _, loaded_shared), (reduces, spilled, shared) = found[-2:]
+        buffer = tile.block_k // 2 * tile.block_n * 4
+        if reduces != 2 or spilled or not buffer <= shared - loaded_shared <= buffer + 2048 \
+                or shared > tuner.HOPPER_SHARED_MEMORY_BYTES:
+            bad.append((tile, found[-2:]))
+    assert not bad, bad
+
+
 def _first_loop_sass(sass: str) -> list[str]:
     """The SASS instructions of a kernel's first loop: from the first backward branch's target to it."""
     import re

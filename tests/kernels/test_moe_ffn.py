@@ -326,6 +326,41 @@ def test_tma_loads_give_the_pointer_loads_weight_gradient(kernels, banded, seed)
     assert (empty == 0).all()
 
 
+@pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tma_stores_give_the_pointer_stores_weight_gradient(kernels, banded, seed):
+    """`TileConfig.tma_store` in the weight gradient (`weight_grad_store_descriptor`, out as [E x K, C] rows): the
+    reduce-add under `atomic_accumulate`, the stored sum otherwise (accumulated, prefetched, or a fresh gradient),
+    each tile by TMA, give the pointer epilogues' bits, for random ragged counts with empty experts and C off the
+    column tile (the box clipped at C); a K off the K tile keeps the pointer stores (a box would reach the next
+    weight's rows), the same bits."""
+    gg, _ = kernels
+    gen = torch.Generator().manual_seed(70 + seed)
+    experts = int(torch.randint(2, 6, (1,), generator=gen))
+    counts = [0 if i % 3 == 1 else int(torch.randint(1, 60, (1,), generator=gen)) for i in range(experts)]
+    rows = sum(counts)
+    offsets = _ragged_offsets(counts, banded, gen)
+    for k in (16 * int(torch.randint(1, 4, (1,), generator=gen)), 20):  # whole K tiles, then K off them
+        c = 4 * int(torch.randint(3, 12, (1,), generator=gen))
+        a, b = torch.randn(rows, k, generator=gen), torch.randn(rows, c, generator=gen)
+        out = torch.empty(experts, k, c)
+        assert (gg.weight_grad_store_descriptor(out, dataclasses.replace(SMALL_TILES, tma_store=True), banded)
+                is None) == (k % SMALL_TILES.block_k != 0)
+        for tiles in (SMALL_TILES, dataclasses.replace(SMALL_TILES, atomic_accumulate=True),
+                      dataclasses.replace(SMALL_TILES, prefetch_accumulator=True), dataclasses.replace(SMALL_TILES, tma=True)):
+            start = torch.randn(experts, k, c, generator=gen)
+            by_pointers, by_tma = start.clone(), start.clone()
+            gg.ragged_weight_grad(a, b, offsets, tiles, out=by_pointers, accumulate=True, weights=experts,
+                                  num_programs=3)
+            gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(tiles, tma_store=True), out=by_tma,
+                                  accumulate=True, weights=experts, num_programs=3)
+            assert torch.equal(by_pointers, by_tma), tiles
+        fresh = [gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(SMALL_TILES, tma_store=store),
+                                       out=torch.full((experts, k, c), float("nan")), weights=experts, num_programs=2)
+                 for store in (False, True)]
+        assert torch.isfinite(fresh[1]).all() and torch.equal(*fresh)
+
+
 @pytest.mark.parametrize("counts,hidden,ffn", [
     ([5, 0, 37, 1], 32, 48), ([0, 50, 0], 64, 16),
     pytest.param([17, 16, 0, 33, 2], 48, 40, marks=pytest.mark.slow)],  # 6.5 s on 2 cores
@@ -571,6 +606,35 @@ def test_gpu_tma_stores_give_the_masked_stores_ffn(counts, hidden, ffn):
         torch.cuda.synchronize()
         for masked, by_tma in zip(*results):
             assert torch.equal(masked, by_tma), picks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paired", [False, True], ids=["one-set", "paired"])
+def test_gpu_weight_gradients_reduce_added_by_tma_give_the_atomics_bits(paired):
+    """`TileConfig.tma_store` in the bf16 weight gradient on the GPU, at every tile the tuner offers it on: each
+    tile's halves reduce-added into the fp32 main gradient by TMA give the relaxed atomics' bits (one writer per
+    element; both flush denormals), for ragged counts with an empty expert, one row set or two (`second`)."""
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    counts, k, c = [300, 0, 1024, 129], 512, 768
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    rows = sum(counts)
+    a, b = (torch.randn(rows, n, device="cuda", generator=gen).bfloat16() for n in (k, c))
+    second = (torch.randn(rows, k, device="cuda", generator=gen).bfloat16(),
+              torch.randn(rows, c, device="cuda", generator=gen).bfloat16(), offsets) if paired else None
+    start = torch.randn(len(counts), k, c, device="cuda", generator=gen)
+    for tile in (t for t in tuner.candidates("wgrad_w13") if t.tma_store):
+        assert gg.weight_grad_store_descriptor(start, tile, banded=False) is not None
+        results = []
+        for store in (False, True):
+            out = start.clone()
+            gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(tile, tma_store=store), out=out,
+                                  accumulate=True, second=second)
+            results.append(out)
+        torch.cuda.synchronize()
+        assert torch.equal(*results), tile
 
 
 @pytest.mark.gpu

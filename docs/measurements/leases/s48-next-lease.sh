@@ -16,7 +16,7 @@ common="routing=balanced hardware=h200-sxm"
 case "${1:?A or B}" in
 A)
   # session 48's TMA-store epilogue and compile workers first run here: the GPU tests of the stores, then the tune
-  t0=$(date +%s); timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_moe_ffn.py -k "tma_stores or tma_row" \
+  t0=$(date +%s); timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_moe_ffn.py -k "tma_stores or tma_row or reduce_added" \
     > "$OUT/gpu-tests-tma-store-h200.txt" 2>&1; stamp gpu-tests $?
   t0=$(date +%s); timeout 330 python3 -m disagmoe bench tune-experts -c configs/h200-deepseek-v3.yaml $common \
     > "$OUT/tune-deepseek-h200.txt" 2>&1; stamp tune $?
