@@ -129,6 +129,8 @@ def _ragged_rows_gemm_kernel(
     # (out_desc [N, C], h13_desc [N, 2C], boxes [BLOCK_M, BLOCK_N]), the copy of the tile's last box draining under
     # the next item's main loop (Triton waits for a box's shared-memory read only before the buffer's next write);
     # a group's last, partial tile keeps the masked stores (a box would write the next group's rows).
+    tl.static_assert(not (TMA_STORE and (SCATTER or SIGNAL or QUANT_OUT or EPILOGUE == 2)),
+                     "TMA stores write the plain or SwiGLU result's own rows: not scattered, signalled or quantised")
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
     idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)

@@ -127,10 +127,12 @@ class TileConfig:
 
     def for_element_size(self, itemsize: int) -> TileConfig:
         """The same tile for wider elements: shrink the K tile so the shared-memory stages stay
-        the size they were tuned at for 2-byte (bf16) operands (e.g. fp32 halves block_k)."""
+        the size they were tuned at for 2-byte (bf16) operands (e.g. fp32 halves block_k), and store through
+        pointers: a `tma_store` buffer of wider outputs would take more shared memory than the tuner counted beside
+        the ring (at fp32, 278,528 bytes at two of the offered down tiles: more than a Hopper block has)."""
         if itemsize <= 2:
             return self
-        return dataclasses.replace(self, block_k=max(16, self.block_k * 2 // itemsize))
+        return dataclasses.replace(self, block_k=max(16, self.block_k * 2 // itemsize), tma_store=False)
 
     def shared_memory_bytes(self, itemsize: int, b_tiles: int = 1) -> int:
         """Bytes of the operand ring the software pipeline keeps in shared memory: each of

@@ -579,19 +579,40 @@ def test_gpu_tma_row_gemms_give_the_pointer_loads_ffn(counts, hidden, ffn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts,hidden,ffn", [([256, 0, 1024, 128], 512, 384), ([129, 511, 64, 3, 900], 1024, 256)])
+@pytest.mark.parametrize("counts,hidden,ffn", [([256, 0, 1024, 130], 512, 384), ([129, 511, 64, 3, 900], 1024, 256)])
 def test_gpu_tma_stores_give_the_masked_stores_ffn(counts, hidden, ffn):
-    """`TileConfig.tma_store` on the GPU at every tile the tuner offers it on: the gate/up, down, gate/up dgrad and
-    down dgrad's split plain launches store their whole tiles by TMA and a group's partial last tile masked, and the
-    forward and the three gradients are the masked stores' very bits (bf16; counts of whole 128-row tiles, partial
-    ones and an empty expert)."""
+    """`TileConfig.tma_store` on the GPU at every tile the tuner offers it on: each launch's outputs, written into
+    NaN-filled tensors (so a box that never lands, or lands elsewhere, shows), equal the masked stores' bits: the
+    gate/up SwiGLU launch (act and both pre-activations), the down launch, the gate/up data gradient and down dgrad's
+    split plain GEMM; then the whole FFN's forward and three gradients (bf16; counts of whole 128-row tiles,
+    partial ones and an empty expert)."""
     from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels import moe_ffn
 
     x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.bfloat16, "cuda", seed=6)
     dy = torch.randn_like(x)
-    stored = {role: [t for t in tuner.candidates(role) if t.tma_store]
-              for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad")}
+    rows = x.shape[0]
+    nan = lambda *shape: torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    act_in, dh13 = torch.randn(rows, ffn, device="cuda").bfloat16(), torch.randn(rows, 2 * ffn, device="cuda").bfloat16()
+    launches = {
+        "gate_up": lambda c: (lambda out, h13: (gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU,
+                                                                    h13_N2C=h13, out=out), h13))(nan(rows, ffn),
+                                                                                                 nan(rows, 2 * ffn)),
+        "down": lambda c: (gg.ragged_rows_gemm(act_in, offsets, w2, c, out=nan(rows, hidden)),),
+        "down_dgrad": lambda c: (gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2),
+                                                     dataclasses.replace(c, split_epilogue=False),
+                                                     out=nan(rows, ffn)),),
+        "gate_up_dgrad": lambda c: (gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c,
+                                                        out=nan(rows, hidden)),),
+    }
+    stored = {role: [t for t in tuner.candidates(role) if t.tma_store] for role in launches}
+    for role, tiles in stored.items():
+        for tile in tiles:
+            masked = launches[role](dataclasses.replace(tile, tma_store=False))  # kept alive: the next launch's
+            by_tma = launches[role](tile)  # NaN-filled outputs cannot be the blocks it holds
+            for want, got in zip(masked, by_tma):
+                assert torch.isfinite(got).all() and torch.equal(want, got), (role, tile)
     for i in range(max(len(tiles) for tiles in stored.values())):
         picks = {role: tiles[i % len(tiles)] for role, tiles in stored.items()}
         results = []
@@ -609,32 +630,40 @@ def test_gpu_tma_stores_give_the_masked_stores_ffn(counts, hidden, ffn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("paired", [False, True], ids=["one-set", "paired"])
-def test_gpu_weight_gradients_reduce_added_by_tma_give_the_atomics_bits(paired):
+@pytest.mark.parametrize("case", ["one-set", "paired", "banded"])
+def test_gpu_weight_gradients_written_by_tma_give_the_pointer_epilogues_bits(case):
     """`TileConfig.tma_store` in the bf16 weight gradient on the GPU, at every tile the tuner offers it on: each
     tile's halves reduce-added into the fp32 main gradient by TMA give the relaxed atomics' bits (one writer per
-    element; both flush denormals), for ragged counts with an empty expert, one row set or two (`second`)."""
+    element; both flush denormals); a first touch (`accumulate=False`: the step's first launch into each main
+    gradient) and the load-add-store epilogue store by TMA, into NaN-filled and random gradients, the pointer
+    stores' bits. Ragged counts with an empty expert, C off the 128- and 256-column tiles (clipped by the box), one
+    row set, two (`second`), or banded groups."""
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.kernels import grouped_gemm as gg
 
     gen = torch.Generator(device="cuda").manual_seed(11)
-    counts, k, c = [300, 0, 1024, 129], 512, 768
+    counts, k, c = [300, 0, 1024, 129], 512, 700
+    experts = len(counts)
+    if case == "banded":  # 3 row groups a weight, some empty
+        counts = counts + [0, 77, 5, 0] + [13, 0, 400, 2]
     offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     rows = sum(counts)
     a, b = (torch.randn(rows, n, device="cuda", generator=gen).bfloat16() for n in (k, c))
     second = (torch.randn(rows, k, device="cuda", generator=gen).bfloat16(),
-              torch.randn(rows, c, device="cuda", generator=gen).bfloat16(), offsets) if paired else None
-    start = torch.randn(len(counts), k, c, device="cuda", generator=gen)
+              torch.randn(rows, c, device="cuda", generator=gen).bfloat16(), offsets) if case == "paired" else None
+    start = torch.randn(experts, k, c, device="cuda", generator=gen)
     for tile in (t for t in tuner.candidates("wgrad_w13") if t.tma_store):
-        assert gg.weight_grad_store_descriptor(start, tile, banded=False) is not None
-        results = []
-        for store in (False, True):
-            out = start.clone()
-            gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(tile, tma_store=store), out=out,
-                                  accumulate=True, second=second)
-            results.append(out)
-        torch.cuda.synchronize()
-        assert torch.equal(*results), tile
+        assert gg.weight_grad_store_descriptor(start, tile, banded=case == "banded") is not None
+        for variant, accumulate, begin in ((tile, True, start), (tile, False, torch.full_like(start, float("nan"))),
+                                           (dataclasses.replace(tile, atomic_accumulate=False), True, start)):
+            results = []
+            for store in (False, True):
+                out = begin.clone()
+                gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(variant, tma_store=store), out=out,
+                                      accumulate=accumulate, weights=experts, second=second)
+                results.append(out)
+            torch.cuda.synchronize()
+            assert torch.isfinite(results[1]).all() and torch.equal(*results), (variant, accumulate)
 
 
 @pytest.mark.gpu

@@ -112,6 +112,11 @@ def test_wider_elements_keep_the_shared_memory_footprint():
     wide = tile.for_element_size(4)
     assert wide.block_k * 4 == tile.block_k * 2
     assert (wide.block_m, wide.block_n, wide.num_stages) == (tile.block_m, tile.block_n, tile.num_stages)
+    # a TMA-store buffer of 4-byte outputs is twice what the tuner counted beside the ring: wider launches store
+    # through pointers (a bf16 launch keeps the tile as tuned)
+    stored = TileConfig(block_m=128, block_n=256, block_k=64, tma=True, tma_store=True)
+    assert stored.for_element_size(2).tma_store and not stored.for_element_size(4).tma_store
+    assert stored.for_element_size(4).tma
 
 
 H200_SHARED_MEMORY_PER_BLOCK = 232448  # the opt-in limit Triton's launch reported on an H200
