@@ -129,8 +129,8 @@ def _ragged_rows_gemm_kernel(
     # (out_desc [N, C], h13_desc [N, 2C], boxes [BLOCK_M, BLOCK_N]), the copy of the tile's last box draining under
     # the next item's main loop (Triton waits for a box's shared-memory read only before the buffer's next write);
     # a group's last, partial tile keeps the masked stores (a box would write the next group's rows).
-    tl.static_assert(not (TMA_STORE and (SCATTER or SIGNAL or QUANT_OUT or EPILOGUE == 2)),
-                     "TMA stores write the plain or SwiGLU result's own rows: not scattered, signalled or quantised")
+    tl.static_assert(not (TMA_STORE and (SCATTER or SIGNAL or EPILOGUE == 2)),
+                     "TMA stores write the plain or SwiGLU result's own rows: not scattered or signalled")
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
     idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
@@ -216,7 +216,23 @@ def _ragged_rows_gemm_kernel(
             if SIGNAL:
                 _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr)
         elif EPILOGUE == 1:
-            if TMA_STORE:
+            if QUANT_OUT:  # h13 first: the two accumulators die before the quantisation (at the tuned gate/up
+                # tiles it spilled 48-164 bytes with them alive; the plain order below spills less as it is); under
+                # TMA_STORE the pre-activations alone go by TMA (the e4m3 act and its scales keep their stores)
+                act = acc * tl.sigmoid(acc) * acc_up
+                if SAVE_H13:
+                    if TMA_STORE:
+                        if tile_row + BLOCK_M <= row_end:
+                            h13_desc.store([tile_row, pid_n * BLOCK_N], acc.to(h13_ptr.dtype.element_ty))
+                            h13_desc.store([tile_row, C + pid_n * BLOCK_N], acc_up.to(h13_ptr.dtype.element_ty))
+                        else:
+                            _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
+                    else:
+                        _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
+                rounded = act.to(a_ptr.dtype.element_ty).to(tl.float32)
+                fr._quantize_group_store(tl.where(ok, rounded, 0.0), ok, row_ok, rows64, cols, pid_n, out_ptr,
+                                         act_ptr, stride_om, stride_oc, stride_xm, stride_xc)
+            elif TMA_STORE:
                 if tile_row + BLOCK_M <= row_end:
                     act = acc * tl.sigmoid(acc) * acc_up
                     out_desc.store([tile_row, pid_n * BLOCK_N], act.to(out_ptr.dtype.element_ty))
@@ -229,14 +245,6 @@ def _ragged_rows_gemm_kernel(
                     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
                     if SAVE_H13:
                         _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
-            elif QUANT_OUT:  # h13 first: the two accumulators die before the quantisation (at the tuned gate/up
-                # tiles it spilled 48-164 bytes with them alive; the plain order below spills less as it is)
-                act = acc * tl.sigmoid(acc) * acc_up
-                if SAVE_H13:
-                    _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
-                rounded = act.to(a_ptr.dtype.element_ty).to(tl.float32)
-                fr._quantize_group_store(tl.where(ok, rounded, 0.0), ok, row_ok, rows64, cols, pid_n, out_ptr,
-                                         act_ptr, stride_om, stride_oc, stride_xm, stride_xc)
             else:
                 act = acc * tl.sigmoid(acc) * acc_up
                 out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
@@ -591,9 +599,9 @@ def ragged_rows_gemm(
     descs = (rows_gemm_descriptors(a_NK, b_EKC, config)
              if a_rows_N is None and row_scale is None and k % config.block_k == 0 else None)
     a_desc, b_desc, b_rows, b_t = descs or (None, None, 0, False)
-    stores = (rows_store_descriptors(out, h13_N2C if epilogue == EPILOGUE_SWIGLU else None, cols, config)
-              if epilogue in (EPILOGUE_PLAIN, EPILOGUE_SWIGLU) and dst_rows_N is None and signal is None
-              and quantized_out is None else None)
+    stores = (rows_store_descriptors(None if quantized_out is not None else out,
+                                     h13_N2C if epilogue == EPILOGUE_SWIGLU else None, cols, config)
+              if epilogue in (EPILOGUE_PLAIN, EPILOGUE_SWIGLU) and dst_rows_N is None and signal is None else None)
     out_desc, h13_desc = stores or (None, None)
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E, act,
@@ -614,18 +622,19 @@ def ragged_rows_gemm(
     return out
 
 
-def rows_store_descriptors(out_NC: torch.Tensor, h13_N2C: torch.Tensor | None, cols: int, config: TileConfig,
-                           ) -> tuple[TensorDescriptor, TensorDescriptor | None] | None:
-    """(out's descriptor, h13's or None) for a plain or SwiGLU row GEMM's TMA-store epilogue (`TileConfig.tma_store`,
-    `_ragged_rows_gemm_kernel`'s TMA_STORE), or None where the launch stores through pointers: no `tma_store` in the
-    config, a flattened loop (its epilogue inside the fused loop), C not whole column tiles (a box of gate columns
-    would reach the up ones), or an output TMA cannot address (`tma_store_takes`)."""
-    if not config.tma_store or config.flatten or cols % config.block_n or not tma_store_takes(out_NC) \
-            or (h13_N2C is not None and not tma_store_takes(h13_N2C)):
+def rows_store_descriptors(out_NC: torch.Tensor | None, h13_N2C: torch.Tensor | None, cols: int, config: TileConfig,
+                           ) -> tuple[TensorDescriptor | None, TensorDescriptor | None] | None:
+    """(out's descriptor, h13's) for a plain or SwiGLU row GEMM's TMA-store epilogue (`TileConfig.tma_store`,
+    `_ragged_rows_gemm_kernel`'s TMA_STORE), each None where not written by TMA: out None is a result the kernel
+    quantises (its e4m3 act and scales keep their stores; the pre-activations alone go by TMA). None where the launch
+    stores through pointers: no `tma_store` in the config, a flattened loop (its epilogue inside the fused loop), C
+    not whole column tiles (a box of gate columns would reach the up ones), an output TMA cannot address
+    (`tma_store_takes`), or nothing to write by TMA."""
+    if not config.tma_store or config.flatten or cols % config.block_n or (out_NC is None and h13_N2C is None) \
+            or not all(tma_store_takes(t) for t in (out_NC, h13_N2C) if t is not None):
         return None
     box = [config.block_m, config.block_n]
-    return (TensorDescriptor.from_tensor(out_NC, box),
-            None if h13_N2C is None else TensorDescriptor.from_tensor(h13_N2C, box))
+    return tuple(None if t is None else TensorDescriptor.from_tensor(t, box) for t in (out_NC, h13_N2C))
 
 
 def swiglu_quantizes(config: TileConfig) -> bool:

@@ -1164,15 +1164,20 @@ def test_the_quantising_swiglu_epilogue_writes_quantize_rows_bytes_of_its_act(fp
         act = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_want,
                                   num_programs=3)
         q_want, s_want = fp8k.quantize_rows(act, valid_rows=offsets[-1:])
-        q = torch.full((rows, cols), 3.0).to(fp8k.FP8)
-        s = torch.full((rows, -(-cols // 128)), 7.0)
-        got = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_got,
-                                  num_programs=3, quantized_out=(q, s))
-        served = int(offsets[-1])
-        assert act.dtype == dtype and got is q and torch.equal(h13_got, h13_want)
-        assert torch.equal(q[:served].view(torch.uint8), q_want[:served].view(torch.uint8))
-        assert torch.equal(s[:served], s_want[:served])
-        assert (s[served:] == 7.0).all() and (q[served:].float() == 3.0).all()  # unwritten past the last offset
+        # and with the pre-activations stored by TMA (`TileConfig.tma_store`: whole tiles; C off the tile: masked)
+        for launch_tile in (tile, dataclasses.replace(tile, tma=True, tma_store=True)):
+            h13_got = torch.full((rows, 2 * cols), 7.0, dtype=dtype)
+            q = torch.full((rows, cols), 3.0).to(fp8k.FP8)
+            s = torch.full((rows, -(-cols // 128)), 7.0)
+            got = gg.ragged_rows_gemm(x, offsets, w13, launch_tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_got,
+                                      num_programs=3, quantized_out=(q, s))
+            served = int(offsets[-1])
+            assert act.dtype == dtype and got is q and torch.equal(h13_got, h13_want)
+            assert torch.equal(q[:served].view(torch.uint8), q_want[:served].view(torch.uint8))
+            assert torch.equal(s[:served], s_want[:served])
+            assert (s[served:] == 7.0).all() and (q[served:].float() == 3.0).all()  # unwritten past the last offset
+        stored = gg.rows_store_descriptors(None, h13_got, cols, dataclasses.replace(tile, tma_store=True))
+        assert (stored is None) == (cols % 128 != 0) and (stored is None or stored[0] is None)
     assert gg.swiglu_quantizes(tile) and not gg.swiglu_quantizes(TileConfig(block_m=16, block_n=64, block_k=32))
     with pytest.raises(ValueError, match="128-column tiles"):
         gg.ragged_rows_gemm(x, offsets, w13, TileConfig(block_m=16, block_n=64, block_k=32), quantized_out=(q, s),
