@@ -240,23 +240,28 @@ def _ragged_rows_gemm_kernel(
                         h13_desc.store([tile_row, pid_n * BLOCK_N], acc.to(h13_ptr.dtype.element_ty))
                         h13_desc.store([tile_row, C + pid_n * BLOCK_N], acc_up.to(h13_ptr.dtype.element_ty))
                 else:
-                    act = acc * tl.sigmoid(acc) * acc_up
-                    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
-                    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
-                    if SAVE_H13:
-                        _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
+                    _store_swiglu(acc, acc_up, out_ptr, h13_ptr, rows64, cols, ok, C, stride_om, stride_oc,
+                                  stride_hm, stride_hc, SAVE_H13)
             else:
-                act = acc * tl.sigmoid(acc) * acc_up
-                out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
-                tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
-                if SAVE_H13:
-                    _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
+                _store_swiglu(acc, acc_up, out_ptr, h13_ptr, rows64, cols, ok, C, stride_om, stride_oc,
+                              stride_hm, stride_hc, SAVE_H13)
         else:
             rowdot = _swiglu_grad_epilogue(acc, h13, scale, rows64, row_ok, pid_n * BLOCK_N, C, out_ptr, act_ptr,
                                            stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE,
                                            BLOCK_N, EPI_CHUNK)
             if ROW_SCALE:
                 tl.store(rowdot_ptr + pid_n.to(tl.int64) * n_rows + rows64, rowdot, mask=row_ok)
+
+
+@triton.jit
+def _store_swiglu(gate, up, out_ptr, h13_ptr, rows64, cols, ok, C, stride_om, stride_oc, stride_hm, stride_hc,
+                  SAVE_H13: tl.constexpr):
+    """The SwiGLU epilogue's masked stores: act = silu(gate) * up into out, and where asked the pre-activations."""
+    act = gate * tl.sigmoid(gate) * up
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
+    if SAVE_H13:
+        _store_gate_up(gate, up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
 
 
 @triton.jit

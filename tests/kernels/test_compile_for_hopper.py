@@ -930,6 +930,38 @@ def test_the_tma_weight_gradient_loads_by_tensor_map_without_spills(monkeypatch)
     assert found == [(True, True, 0)] * len(tiles), found
 
 
+def _row_gemm_launches(split_down_dgrad: bool) -> dict:
+    """The bf16 FFN's four row GEMM launches over CPU operands (4 experts of 256 rows, hidden 512, ffn 256), each a
+    function of its tile: gate/up with its SwiGLU epilogue, down, down dgrad (its fused SwiGLU-gradient epilogue, or
+    with `split_down_dgrad` the split epilogue's plain GEMM, as the split tile launches it) and gate/up dgrad."""
+    import dataclasses
+
+    from disagmoe.kernels import grouped_gemm as gg
+
+    rows, experts, hidden, ffn = 1024, 4, 512, 256
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    bf16 = dict(dtype=torch.bfloat16)
+    x, dy = torch.zeros(rows, hidden, **bf16), torch.zeros(rows, hidden, **bf16)
+    h13, dh13 = torch.zeros(rows, 2 * ffn, **bf16), torch.zeros(rows, 2 * ffn, **bf16)
+    act = torch.zeros(rows, ffn, **bf16)
+    w13, w2 = torch.zeros(experts, hidden, 2 * ffn, **bf16), torch.zeros(experts, ffn, hidden, **bf16)
+    if split_down_dgrad:
+        def down_dgrad(c):
+            return gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2), dataclasses.replace(c, split_epilogue=False),
+                                       num_programs=8)
+    else:
+        def down_dgrad(c):
+            return gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2), c, epilogue=gg.EPILOGUE_SWIGLU_GRAD,
+                                       h13_N2C=h13, num_programs=8)
+    return {
+        "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
+                                                 out=act, num_programs=8),
+        "down": lambda c: gg.ragged_rows_gemm(act, offsets, w2, c, num_programs=8),
+        "down_dgrad": down_dgrad,
+        "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c, num_programs=8),
+    }
+
+
 def test_the_tma_row_gemms_load_by_tensor_map_without_spills(monkeypatch):
     """`TileConfig.tma` in the row GEMMs at every TMA tile the tuner offers, bf16, for sm_90a: the gate/up
     SwiGLU launch and the down launch (weights as rows), the down data gradient with its fused
@@ -952,21 +984,7 @@ def test_the_tma_row_gemms_load_by_tensor_map_without_spills(monkeypatch):
         found.append((label[0], "cp.async.bulk.tensor" in ptx, "wgmma.mma_async" in ptx, spill_store_bytes(ptx)))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)
-    rows, experts, hidden, ffn = 1024, 4, 512, 256
-    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
-    bf16 = dict(dtype=torch.bfloat16)
-    x, dy = torch.zeros(rows, hidden, **bf16), torch.zeros(rows, hidden, **bf16)
-    h13, dh13 = torch.zeros(rows, 2 * ffn, **bf16), torch.zeros(rows, 2 * ffn, **bf16)
-    act = torch.zeros(rows, ffn, **bf16)
-    w13, w2 = torch.zeros(experts, hidden, 2 * ffn, **bf16), torch.zeros(experts, ffn, hidden, **bf16)
-    launches = {
-        "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
-                                                 num_programs=8),
-        "down": lambda c: gg.ragged_rows_gemm(act, offsets, w2, c, num_programs=8),
-        "down_dgrad": lambda c: gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2), c, epilogue=gg.EPILOGUE_SWIGLU_GRAD,
-                                                    h13_N2C=h13, num_programs=8),
-        "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c, num_programs=8),
-    }
+    launches = _row_gemm_launches(split_down_dgrad=False)
     bad = []
     for role, launch in launches.items():
         for tile in tuner.candidates(role):
@@ -983,7 +1001,9 @@ def test_the_tma_row_gemms_load_by_tensor_map_without_spills(monkeypatch):
     assert not bad, bad
     found.clear()
     gathered = next(t for t in tuner.candidates("down") if t.tma)
-    gg.ragged_rows_gemm(act, offsets, w2, gathered, a_rows_N=torch.arange(rows, dtype=torch.int32), num_programs=8)
+    act, w2 = torch.zeros(1024, 256, dtype=torch.bfloat16), torch.zeros(4, 256, 512, dtype=torch.bfloat16)
+    gg.ragged_rows_gemm(act, torch.tensor([256, 512, 768, 1024], dtype=torch.int32), w2, gathered,
+                        a_rows_N=torch.arange(1024, dtype=torch.int32), num_programs=8)
     assert [f[1] for f in found] == [False]
 
 
@@ -999,7 +1019,6 @@ def test_the_row_gemms_store_by_tensor_map_where_the_tuner_offers_it(monkeypatch
     import re
 
     from disagmoe.bench import tune_experts as tuner
-    from disagmoe.kernels import grouped_gemm as gg
 
     backend = make_backend(HOPPER)
     found = []
@@ -1012,21 +1031,7 @@ def test_the_row_gemms_store_by_tensor_map_where_the_tuner_offers_it(monkeypatch
                       kernel.metadata.shared, stores))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)
-    rows, experts, hidden, ffn = 1024, 4, 512, 256
-    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
-    bf16 = dict(dtype=torch.bfloat16)
-    x, dy = torch.zeros(rows, hidden, **bf16), torch.zeros(rows, hidden, **bf16)
-    h13, dh13 = torch.zeros(rows, 2 * ffn, **bf16), torch.zeros(rows, 2 * ffn, **bf16)
-    act = torch.zeros(rows, ffn, **bf16)
-    w13, w2 = torch.zeros(experts, hidden, 2 * ffn, **bf16), torch.zeros(experts, ffn, hidden, **bf16)
-    launches = {
-        "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
-                                                 out=act, num_programs=8),
-        "down": lambda c: gg.ragged_rows_gemm(act, offsets, w2, c, num_programs=8),
-        "down_dgrad": lambda c: gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2),
-                                                    dataclasses.replace(c, split_epilogue=False), num_programs=8),
-        "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c, num_programs=8),
-    }
+    launches = _row_gemm_launches(split_down_dgrad=True)
     bad, tried = [], 0
     for role, launch in launches.items():
         for tile in (t for t in tuner.candidates(role) if t.tma_store):
