@@ -1222,7 +1222,8 @@ def test_gpu_the_quantising_swiglu_epilogue_writes_quantize_rows_bytes_of_its_ac
     """`ragged_rows_gemm(..., EPILOGUE_SWIGLU, quantized_out=)` on the GPU, bf16, at the tiles the FFN picks
     for the Qwen3 and Mixtral gate/up shapes (and the heuristic's), ragged rows with an empty expert and
     padding past the last offset: the e4m3 act and scales the very bytes of the plain launch's bf16 act
-    through `quantize_rows` (the hardware's conversion in both), h13 the same."""
+    through `quantize_rows` (the hardware's conversion in both), h13 the same; with the pre-activations stored by
+    TMA (`tma_store`) too."""
     from disagmoe.kernels import fp8
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.moe_ffn import FFNTiles
@@ -1235,7 +1236,9 @@ def test_gpu_the_quantising_swiglu_epilogue_writes_quantize_rows_bytes_of_its_ac
         x = (torch.randn(rows, hidden, generator=gen) * torch.exp2(torch.randint(-20, 20, (rows, 1), generator=gen)))
         x = x.cuda().bfloat16()
         w13 = (torch.randn(experts, hidden, 2 * ffn, generator=gen) / hidden**0.5).cuda().bfloat16()
-        for tile in (FFNTiles.for_shape(rows, experts, hidden, ffn, x.device, x.dtype).gate_up, heuristic("gate_up")):
+        heuristic_stored = dataclasses.replace(heuristic("gate_up"), tma=True, tma_store=True)  # h13 by TMA
+        for tile in (FFNTiles.for_shape(rows, experts, hidden, ffn, x.device, x.dtype).gate_up, heuristic("gate_up"),
+                     heuristic_stored):
             if not gg.swiglu_quantizes(tile):
                 continue
             h13_want, h13_got = x.new_zeros(rows, 2 * ffn), x.new_zeros(rows, 2 * ffn)

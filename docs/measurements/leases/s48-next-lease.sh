@@ -24,8 +24,9 @@ row() {  # $1: config, $2: record name
 }
 case "${1:?A, B or C}" in
 A)
-  t0=$(date +%s); timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_moe_ffn.py \
-    -k "tma_stores or tma_row or written_by_tma" > "$OUT/gpu-tests-tma-store-h200.txt" 2>&1; stamp gpu-tests $?
+  t0=$(date +%s); timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_moe_ffn.py tests/kernels/test_fp8.py \
+    -k "tma_stores or tma_row or written_by_tma or quantising_swiglu_epilogue_writes" \
+    > "$OUT/gpu-tests-tma-store-h200.txt" 2>&1; stamp gpu-tests $?
   t0=$(date +%s); timeout 420 python3 -m disagmoe bench tune-experts -c configs/h200-deepseek-v3.yaml $common \
     > "$OUT/tune-deepseek-h200.txt" 2>&1; stamp tune-deepseek $?
   cp disagmoe/kernels/tuned/nvidia-h200.json "$OUT/"
