@@ -111,8 +111,11 @@ LIBRARY_FP8_BACKEND = "scaled-grouped-mm"  # torch._scaled_grouped_mm, forward o
 FORWARD_ONLY = (LIBRARY_FP8_BACKEND,)
 # our bf16 block with every launch our Gluon kernels can run sent there (`FFNTiles.on_gluon`, Hopper), beside `triton`
 GLUON_BACKEND = "triton:gluon"
+# our bf16 block with every launch of our Triton kernel writing its results by TMA (`FFNTiles.on_tma_store`, Hopper)
+TMA_STORE_BACKEND = "triton:tma-store"
+BF16_VARIANTS = (GLUON_BACKEND, TMA_STORE_BACKEND)  # our bf16 block at other kernels, each read against `triton`
 LIBRARY_FP8_ALIGN = 16  # torch._scaled_grouped_mm's rows per group: a multiple of this
-ALL_BACKENDS = (*BACKENDS, GLUON_BACKEND, FP8_BACKEND, LIBRARY_FP8_BACKEND)
+ALL_BACKENDS = (*BACKENDS, *BF16_VARIANTS, FP8_BACKEND, LIBRARY_FP8_BACKEND)
 
 
 def backends_for(backends: list[str] | None, precision: str, promotes: list[str] | None = None) -> list[str]:
@@ -356,14 +359,15 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
                                         backward=backward, forward=forward, grad_slot=slot)
             return combine_rows(out_NH, dest_TK, weights_TK, grad_slot=slot)
         return fp8_block
-    if backend in ("triton", GLUON_BACKEND):
+    if backend in ("triton", *BF16_VARIANTS):
         def block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
             rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
             ffn_tiles = tiles
-            if backend == GLUON_BACKEND:
+            if backend in BF16_VARIANTS:
                 experts, hidden, two_ffn = w13_EH2F.shape
-                ffn_tiles = (tiles or FFNTiles.for_shape(rows_NH.shape[0], experts, hidden, two_ffn // 2,
-                                                         rows_NH.device)).on_gluon()
+                ffn_tiles = tiles or FFNTiles.for_shape(rows_NH.shape[0], experts, hidden, two_ffn // 2,
+                                                        rows_NH.device)
+                ffn_tiles = ffn_tiles.on_gluon() if backend == GLUON_BACKEND else ffn_tiles.on_tma_store()
             out_NH = expert_ffn_triton(rows_NH, offsets_E, w13_EH2F, w2_EFH, tiles=ffn_tiles)
             return combine_rows(out_NH, dest_TK, weights_TK)
         return block
@@ -491,6 +495,9 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     if GLUON_BACKEND in backends and capability != (9, 0):
         raise ValueError(f"{GLUON_BACKEND} (our Gluon kernels) runs on Hopper (sm_90) only; this GPU is "
                          f"sm_{''.join(map(str, capability))}: leave it out of --backend")
+    if TMA_STORE_BACKEND in backends and capability[0] < 9:
+        raise ValueError(f"{TMA_STORE_BACKEND} (results written by TMA) needs Hopper (sm_90) or newer; this GPU is "
+                         f"sm_{''.join(map(str, capability))}: leave it out of --backend")
     if LIBRARY_FP8_BACKEND in backends and capability[0] != 9:
         raise ValueError(f"{LIBRARY_FP8_BACKEND} (torch._scaled_grouped_mm) runs on sm_90 only; this GPU is "
                          f"sm_{''.join(map(str, capability))}: leave it out of --backend")
@@ -521,7 +528,7 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
         for backend, t in fp8_tiles.items():
             log(f"{name} {backend} tiles: {t.describe()}")
         if check:
-            checked = [b for b in backends if b in ("triton", "grouped_mm", GLUON_BACKEND) or needs_fp8(b)]
+            checked = [b for b in backends if b in ("triton", "grouped_mm", *BF16_VARIANTS) or needs_fp8(b)]
             reference = reference_outputs(inputs, dy)
             entry["rel_err"] = {b: (forward_error if b in FORWARD_ONLY else relative_errors)(
                 make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference) for b in checked}
@@ -589,7 +596,7 @@ def table_rows(record: dict, short_fp8_names: bool = False) -> tuple[list[str], 
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
     ceiling = record["ceiling_tflops"]
     fp8 = fp8_backends(backends)
-    against_triton = ([GLUON_BACKEND] if GLUON_BACKEND in backends and "triton" in backends else []) + fp8
+    against_triton = [b for b in BF16_VARIANTS if b in backends and "triton" in backends] + fp8
     library = LIBRARY_FP8_BACKEND in backends
     label = (lambda b: b.replace("triton-", "", 1)) if short_fp8_names else (lambda b: b)
     head = ["shape", "E", "H->F", "pairs", "max/mean load", "pass",

@@ -27,7 +27,7 @@ from disagmoe.bench.tune_compile import compile_jobs, precompile, worker_count
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.tile_configs import (FP8_ROLES, ROLES, TUNED_DIR, TileConfig, clear_cache, device_architecture,
-                                          gpu_slug, heuristic, shape_class)
+                                          gpu_slug, heuristic, shape_class, tma_store_fits)
 
 # (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm[, flatten]); block_m tiles
 # the rows (for the weight gradients: the reduction over rows), block_n the output columns, block_k
@@ -88,10 +88,6 @@ FP8_WGRAD_CANDIDATES = [(128, 128, 64, 8, 3, 1, "hoisted"), (128, 128, 64, 8, 3,
                         (64, 256, 64, 8, 3, 1, "hoisted"), (64, 256, 64, 8, 3, 1, "pingpong"),
                         (128, 128, 128, 8, 3, 1, "pipelined"), (64, 128, 128, 8, 3, 1, "pipelined"),
                         (128, 64, 64, 4, 3, 2, "pipelined"), (128, 64, 64, 4, 3, 2, "pingpong")]
-# A Hopper's shared memory a block may take (227 KiB), less what Triton's barriers and alignment take beside a ring
-# (`tma_store_fits`; a tile that still does not fit fails to launch and the search skips it)
-HOPPER_SHARED_MEMORY_BYTES = 232_448
-SHARED_MEMORY_RESERVE_BYTES = 1_024
 # Roles whose launches the library's grouped GEMM can run (`TileConfig.library`): plain products.
 LIBRARY_ROLES = ("down", "gate_up_dgrad")
 # Our warp-specialised Gluon kernel for those roles on Hopper (`TileConfig.gluon`, `kernels.gluon_rows`): (block_m,
@@ -171,21 +167,6 @@ def candidates(role: str) -> list[TileConfig]:
         if _hopper():
             configs += _gluon_tiles(plain, GLUON_ROWS_CANDIDATES)
     return configs
-
-
-def tma_store_fits(config: TileConfig, role: str) -> bool:
-    """Whether a tile's TMA-store buffer fits beside its ring of `num_stages` operand boxes in a Hopper's shared
-    memory: a row GEMM's [block_m, block_n] bf16 (one buffer for the tile's boxes in turn) beside its A and B boxes
-    (two B boxes for the SwiGLU launch); a weight gradient's [block_k / 2, block_n] fp32 (the main gradient's sums,
-    half a tile's rows at a time) beside its [block_m, block_k] and [block_m, block_n] row boxes."""
-    if role.startswith("wgrad"):
-        ring = config.num_stages * config.block_m * (config.block_k + config.block_n) * 2
-        buffer = config.block_k // 2 * config.block_n * 4
-    else:
-        b_boxes = 2 if role == "gate_up" else 1
-        ring = config.num_stages * (config.block_m + b_boxes * config.block_n) * config.block_k * 2
-        buffer = config.block_m * config.block_n * 2
-    return ring + buffer <= HOPPER_SHARED_MEMORY_BYTES - SHARED_MEMORY_RESERVE_BYTES
 
 
 def _gluon_tiles(triton_tile: TileConfig, table: list[tuple[int, int, int, bool]]) -> list[TileConfig]:

@@ -41,7 +41,8 @@ def _shape_names(shapes: list[str] | None) -> list[str]:
 def experts(
     shape: ShapeOption = None,
     backend: Annotated[list[str] | None, typer.Option(
-        help="triton | grouped_mm | loop | triton:gluon | triton-fp8 | triton-fp8:fp8-wgrad | triton-fp8:gluon-wgrad | "
+        help="triton | grouped_mm | loop | triton:gluon | triton:tma-store | triton-fp8 | triton-fp8:fp8-wgrad | "
+             "triton-fp8:gluon-wgrad | "
              "triton-fp8:gluon | triton-fp8:gluon-256 | triton-fp8:gluon-tma-store | triton-fp8:gluon-tma-store-wgrad | "
              "triton-fp8:bf16-backward | "
              "triton-fp8:down-forward | triton-fp8:down-forward-pass | triton-fp8:down-forward-dy-pass | triton-fp8:run | "
@@ -49,7 +50,8 @@ def experts(
              "scaled-grouped-mm (repeatable; "
              "default: the first "
              "three; triton:gluon: our bf16 block with every launch our warp-specialised Gluon kernels can run sent "
-             "there (sm_90); triton-fp8: the expert GEMMs in FP8 with training's default backward (forward and data "
+             "there (sm_90); triton:tma-store: our bf16 block with every launch of our Triton kernel writing its "
+             "results, and its weight gradients reduce-adding, by TMA (sm_90+); triton-fp8: the expert GEMMs in FP8 with training's default backward (forward and data "
              "gradients e4m3, weight gradients bf16), needs sm_89+; its variants change one choice: the weight "
              "gradients in FP8 too, they in the warp-specialised Gluon kernel (sm_90), the row GEMMs and the SwiGLU "
              "GEMMs in the Gluon kernels (sm_90: training's fp8_gluon, on by default; gluon-256 at 256-row tiles, "

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe.kernels import grouped_gemm as gg
-from disagmoe.kernels.tile_configs import TileConfig, device_architecture, lookup
+from disagmoe.kernels.tile_configs import TileConfig, device_architecture, lookup, tma_store_fits
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.deferral import hold_back
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RECOMPUTABLE, RowSource
@@ -68,6 +68,25 @@ class FFNTiles:
             down_dgrad=dataclasses.replace(self.down_dgrad, split_epilogue=True, **gluon),
             wgrad_w2=dataclasses.replace(self.wgrad_w2, **wgrad),
             wgrad_w13=dataclasses.replace(self.wgrad_w13, **wgrad))
+
+    def on_tma_store(self) -> FFNTiles:
+        """These tiles with every launch our Triton kernel writing its results by TMA (`TileConfig.tma_store`, with
+        TMA loads): gate/up, down, the gate/up data gradient and down dgrad's plain GEMM under a split epilogue at
+        their own tiles; both weight gradients reduce-adding atomically by TMA. Never the library's or the Gluon
+        kernels. A tile whose store buffer does not fit beside its ring (`tile_configs.tma_store_fits`) loses a ring
+        stage at a time until it does (at two, it keeps its pointer stores): what the tuner would time nearest."""
+        def stored(tile: TileConfig, role: str, **fields: bool) -> TileConfig:
+            tile = dataclasses.replace(tile, library=False, gluon=False, flatten=False, tma=True, tma_store=True,
+                                       **fields)
+            while not tma_store_fits(tile, role) and tile.num_stages > 2:
+                tile = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+            return tile if tma_store_fits(tile, role) else dataclasses.replace(tile, tma_store=False)
+
+        return FFNTiles(gate_up=stored(self.gate_up, "gate_up"), down=stored(self.down, "down"),
+                        down_dgrad=stored(self.down_dgrad, "down", split_epilogue=True),
+                        gate_up_dgrad=stored(self.gate_up_dgrad, "gate_up_dgrad"),
+                        wgrad_w2=stored(self.wgrad_w2, "wgrad_w2", atomic_accumulate=True),
+                        wgrad_w13=stored(self.wgrad_w13, "wgrad_w13", atomic_accumulate=True))
 
     @staticmethod
     def gemm_dims(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:

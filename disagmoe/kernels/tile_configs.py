@@ -100,7 +100,7 @@ class TileConfig:
     # main gradient, by TMA in two halves of rows through one [block_k / 2, block_n] buffer (`grouped_gemm.
     # weight_grad_store_descriptor`; K whole block_k tiles), instead of the relaxed atomics from registers.
     # `bench tune-experts` offers it on every TMA-loading row tile and atomic weight-gradient tile its buffer fits
-    # beside (`tune_experts.tma_store_fits`)
+    # beside (`tma_store_fits`)
     tma_store: bool = False
     # down, gate/up data gradient and gate/up: run the launch as our warp-specialised Gluon kernel
     # (`kernels.gluon_rows`: a TMA producer warp, two consumer warpgroups, Hopper only; the gate/up GEMM's SwiGLU
@@ -245,6 +245,27 @@ def untuned_classes(dims: dict[str, tuple[int, int]], rows: int, experts: int, d
     launches that run the heuristic tiles, in `dims`' order."""
     return [shape_class(role, k, n, rows, experts) for role, (k, n) in dims.items()
             if tuned(role, k, n, rows, experts, device_name, arch) is None]
+
+
+# A Hopper's shared memory a block may take (227 KiB), less what Triton's barriers and alignment take beside a ring
+# (`tma_store_fits`; a tile that still does not fit fails to launch, and the tuner's search skips it)
+HOPPER_SHARED_MEMORY_BYTES = 232_448
+SHARED_MEMORY_RESERVE_BYTES = 1_024
+
+
+def tma_store_fits(config: TileConfig, role: str) -> bool:
+    """Whether a tile's TMA-store buffer fits beside its ring of `num_stages` operand boxes in a Hopper's shared
+    memory: a row GEMM's [block_m, block_n] bf16 (one buffer for the tile's boxes in turn) beside its A and B boxes
+    (two B boxes for the SwiGLU launch); a weight gradient's [block_k / 2, block_n] fp32 (the main gradient's sums,
+    half a tile's rows at a time) beside its [block_m, block_k] and [block_m, block_n] row boxes."""
+    if role.startswith("wgrad"):
+        ring = config.num_stages * config.block_m * (config.block_k + config.block_n) * 2
+        buffer = config.block_k // 2 * config.block_n * 4
+    else:
+        b_boxes = 2 if role == "gate_up" else 1
+        ring = config.num_stages * (config.block_m + b_boxes * config.block_n) * config.block_k * 2
+        buffer = config.block_m * config.block_n * 2
+    return ring + buffer <= HOPPER_SHARED_MEMORY_BYTES - SHARED_MEMORY_RESERVE_BYTES
 
 
 def heuristic(role: str) -> TileConfig:

@@ -85,6 +85,38 @@ def test_the_gluon_bf16_block_is_set_against_our_triton_one_before_the_fp8_backe
     assert fwd[f"{bench.GLUON_BACKEND} / triton"] == "1.25x" and both[f"{bench.GLUON_BACKEND} rel err"] == "3.0e-03"
 
 
+def test_the_tma_store_tiles_write_every_launch_of_our_triton_kernel_by_tma():
+    """`FFNTiles.on_tma_store` (`triton:tma-store`): every launch on our Triton kernel (never the library's or the
+    Gluon kernels) with TMA loads and stores at its own tile, down dgrad on its split epilogue's plain GEMM, the
+    weight gradients reduce-adding atomically; a tile whose store buffer does not fit beside its ring (the
+    heuristic's 128 x 256 x 64 down tile at 4 stages) loses a stage, one whose ring never makes room keeps pointer
+    stores. Set against `triton` in the table, as the Gluon block is."""
+    from disagmoe.kernels.tile_configs import TileConfig, heuristic, tma_store_fits
+
+    tiles = bench.FFNTiles(**{role: dataclasses.replace(heuristic(role), library=role == "down", gluon=role == "gate_up")
+                              for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2",
+                                           "wgrad_w13")})
+    stored = tiles.on_tma_store()
+    for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2", "wgrad_w13"):
+        got, before = getattr(stored, role), getattr(tiles, role)
+        fit_role = "down" if role == "down_dgrad" else role
+        assert got.tma and got.tma_store and not got.library and not got.gluon and tma_store_fits(got, fit_role), role
+        assert (got.block_m, got.block_n, got.block_k) == (before.block_m, before.block_n, before.block_k)
+    assert (tiles.down.num_stages, stored.down.num_stages) == (4, 3)  # 48 KiB a stage and a 64 KiB buffer
+    assert stored.gate_up.num_stages == tiles.gate_up.num_stages and stored.down_dgrad.split_epilogue
+    assert stored.wgrad_w13.atomic_accumulate and stored.wgrad_w2.atomic_accumulate
+    huge = TileConfig(block_m=256, block_n=256, block_k=128, num_stages=3)  # 192 KiB a stage: never fits
+    assert not bench.FFNTiles.uniform(huge).on_tma_store().down.tma_store
+    assert bench.TMA_STORE_BACKEND in bench.ALL_BACKENDS
+    backends = (*bench.BACKENDS, bench.TMA_STORE_BACKEND)
+    record = {"ceiling_tflops": 800.0, "shapes": [{
+        "name": "s", "experts": 2, "hidden": 8, "ffn": 4, "pairs": 16, "load_max_over_mean": 1.5,
+        "tflops": {b: {p: 440.0 if b == bench.TMA_STORE_BACKEND else 400.0 for p in bench.PASSES} for b in backends},
+        "rel_err": {"triton": {"y": 1e-3}, bench.TMA_STORE_BACKEND: {"y": 1e-3}}}]}
+    head, rows = bench.table_rows(record)
+    assert dict(zip(head, rows[0], strict=True))[f"{bench.TMA_STORE_BACKEND} / triton"] == "1.10x"
+
+
 def test_the_gluon_tiles_send_every_launch_the_gluon_kernels_take_there():
     """`FFNTiles.on_gluon`: gate/up, down and the gate/up data gradient on the Gluon kernels (TMA stores, never the
     library's), down dgrad on its split epilogue's Gluon plain GEMM, the weight gradients on the Gluon weight

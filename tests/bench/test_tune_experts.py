@@ -17,7 +17,7 @@ from disagmoe.bench import tune_experts as tuner
 from disagmoe.cli.app import app
 from disagmoe.config import load_train_config
 from disagmoe.kernels.moe_ffn import FFNTiles
-from disagmoe.kernels.tile_configs import TileConfig, heuristic, shape_class
+from disagmoe.kernels.tile_configs import TileConfig, heuristic, shape_class, tma_store_fits
 
 QWEN3 = Path(__file__).resolve().parents[2] / "configs" / "h200x2-qwen3-30b.yaml"
 
@@ -199,9 +199,9 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     assert not any(c.tma and c.flatten for c in tuner.candidates("gate_up"))
     for role in ("gate_up", "down", "gate_up_dgrad"):  # TMA stores on the TMA-loading tiles their buffer fits beside
         stored = [c for c in tuner.candidates(role) if c.tma_store]
-        assert stored and all(c.tma and not c.flatten and tuner.tma_store_fits(c, role) for c in stored), role
+        assert stored and all(c.tma and not c.flatten and tma_store_fits(c, role) for c in stored), role
         assert {dataclasses.replace(c, tma_store=False) for c in stored} <= set(tuner.candidates(role))
-    assert not tuner.tma_store_fits(TileConfig(block_m=128, block_n=256, block_k=64, num_stages=4), "down")
+    assert not tma_store_fits(TileConfig(block_m=128, block_n=256, block_k=64, num_stages=4), "down")
 
 
 def test_each_class_is_saved_as_soon_as_it_is_tuned(monkeypatch, tmp_path):

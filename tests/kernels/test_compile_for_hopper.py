@@ -1008,7 +1008,7 @@ def test_the_tma_row_gemms_load_by_tensor_map_without_spills(monkeypatch):
 
 
 def test_the_row_gemms_store_by_tensor_map_where_the_tuner_offers_it(monkeypatch):
-    """`TileConfig.tma_store` at every tile the tuner offers it on (`tune_experts.tma_store_fits`), bf16, for sm_90a:
+    """`TileConfig.tma_store` at every tile the tuner offers it on (`tile_configs.tma_store_fits`), bf16, for sm_90a:
     the gate/up SwiGLU launch with its pre-activations, the down launch, the gate/up data gradient and down dgrad's
     split plain GEMM each store through a tensor map (`cp.async.bulk.tensor.2d.global.shared::cta`) from one
     [block_m, block_n] buffer beside the ring, within a Hopper's shared memory as the tuner's arithmetic says, and
@@ -1019,6 +1019,7 @@ def test_the_row_gemms_store_by_tensor_map_where_the_tuner_offers_it(monkeypatch
     import re
 
     from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels.tile_configs import HOPPER_SHARED_MEMORY_BYTES
 
     backend = make_backend(HOPPER)
     found = []
@@ -1040,7 +1041,7 @@ def test_the_row_gemms_store_by_tensor_map_where_the_tuner_offers_it(monkeypatch
             launch(tile)
             (_, _, loaded_shared, loaded_stores), (bulk, spilled, shared, stores) = found[-2:]
             buffer = tile.block_m * tile.block_n * 2
-            if not bulk or shared != loaded_shared + buffer or shared > tuner.HOPPER_SHARED_MEMORY_BYTES \
+            if not bulk or shared != loaded_shared + buffer or shared > HOPPER_SHARED_MEMORY_BYTES \
                     or spilled > (8 if role == "gate_up" else 0) or stores > loaded_stores:
                 bad.append((role, tile, found[-2:]))
     assert tried >= 4 * 6 and not bad, bad
@@ -1056,7 +1057,7 @@ def test_the_weight_gradient_reduce_adds_by_tensor_map_where_the_tuner_offers_it
 
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.kernels import grouped_gemm as gg
-    from disagmoe.kernels.tile_configs import TileConfig
+    from disagmoe.kernels.tile_configs import HOPPER_SHARED_MEMORY_BYTES, TileConfig
 
     backend = make_backend(HOPPER)
     found = []
@@ -1082,7 +1083,7 @@ def test_the_weight_gradient_reduce_adds_by_tensor_map_where_the_tuner_offers_it
         (_, _, loaded_shared), (reduces, spilled, shared) = found[-2:]
         buffer = tile.block_k // 2 * tile.block_n * 4
         if reduces != 2 or spilled or not buffer <= shared - loaded_shared <= buffer + 2048 \
-                or shared > tuner.HOPPER_SHARED_MEMORY_BYTES:
+                or shared > HOPPER_SHARED_MEMORY_BYTES:
             bad.append((tile, found[-2:]))
     assert not bad, bad
 

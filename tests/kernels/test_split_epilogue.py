@@ -80,7 +80,7 @@ def test_the_tuner_offers_the_split_epilogue_for_the_down_data_gradient_only():
     from disagmoe.bench.tune_experts import candidates
     from disagmoe.kernels.tile_configs import ROLES
 
-    from disagmoe.bench.tune_experts import tma_store_fits
+    from disagmoe.kernels.tile_configs import tma_store_fits
 
     for role in ROLES:
         split = [c for c in candidates(role) if c.split_epilogue and not c.tma_store]

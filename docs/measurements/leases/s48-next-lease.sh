@@ -9,7 +9,8 @@
 #   B: the DeepSeek row against transformers on call A's table (1.36x in session 47), then the Mixtral config's
 #      classes retuned (m2048: the H200 entries date from session 42, before the Gluon kernels and the TMA stores;
 #      `bench experts`' mixtral-8x7b shape launches the same classes).
-#   C: on call B's table, issue 20 item 3's `bench experts` row, the Mixtral step against transformers, and the
+#   C: on call B's table, issue 20 item 3's `bench experts` row (with `triton:tma-store` beside `triton`: every launch
+#      writing by TMA, against the table's own choices, same run), the Mixtral step against transformers, and the
 #      gate/up epilogue probe.
 # The tables come back under $OUT: commit a retuned table only with its step measured on it (the rows against
 # transformers are same-call ratios). Carry call A's table into B and B's into C (copy $OUT's nvidia-h200.json over
@@ -41,7 +42,7 @@ B)
   grep -E "compiling|ran [0-9]+ of|replaces|best by kernel| best " "$OUT/tune-mixtral-h200.txt" | cut -c1-150 ;;
 C)
   t0=$(date +%s); timeout 120 python3 -m disagmoe bench experts --main-grads --shape mixtral-8x7b \
-    --backend grouped_mm --backend triton --markdown --out "$OUT/experts-mixtral-h200.json" \
+    --backend grouped_mm --backend triton --backend triton:tma-store --markdown --out "$OUT/experts-mixtral-h200.json" \
     > "$OUT/experts-mixtral-h200.txt" 2>&1; stamp experts $?
   row h200-mixtral-8x7b mixtral-hf-retuned-h200
   t0=$(date +%s); timeout 90 python3 docs/measurements/gate-up-epilogue-probe-s48.py \
