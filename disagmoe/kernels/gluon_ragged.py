@@ -16,6 +16,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from disagmoe.kernels.tile_configs import HOPPER_SHARED_MEMORY_BYTES
+
 CONSUMER_ROWS = 64  # a warpgroup's wgmma rows (M = 64 per warpgroup on sm_90)
 GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's default
 # setmaxnreg budgets (DeepGEMM's): 12 warps (two consumer warpgroups, the producer's warp rounded up
@@ -23,7 +25,7 @@ GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's
 # first consumer) receives what the others leave: (12 x 168 - 4 x 232 - 4 x 40) / 4 = 232. With 24
 # for the producer (Gluon's tutorials), ptxas spilled 8 bytes at 128 x 128.
 PRODUCER_REGS, CONSUMER_REGS, MAXNREG = 40, 232, 168
-SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a few bytes more)
+SHARED_MEMORY_BYTES = HOPPER_SHARED_MEMORY_BYTES  # sm_90's per-block limit (the barriers take a few bytes more)
 # out's dtypes as the TMA-store epilogue's descriptor names them
 OUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 

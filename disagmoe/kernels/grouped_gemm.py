@@ -223,8 +223,7 @@ def _ragged_rows_gemm_kernel(
                 if SAVE_H13:
                     if TMA_STORE:
                         if tile_row + BLOCK_M <= row_end:
-                            h13_desc.store([tile_row, pid_n * BLOCK_N], acc.to(h13_ptr.dtype.element_ty))
-                            h13_desc.store([tile_row, C + pid_n * BLOCK_N], acc_up.to(h13_ptr.dtype.element_ty))
+                            _store_gate_up_boxes(acc, acc_up, h13_desc, h13_ptr, tile_row, pid_n * BLOCK_N, C)
                         else:
                             _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
                     else:
@@ -237,8 +236,7 @@ def _ragged_rows_gemm_kernel(
                     act = acc * tl.sigmoid(acc) * acc_up
                     out_desc.store([tile_row, pid_n * BLOCK_N], act.to(out_ptr.dtype.element_ty))
                     if SAVE_H13:
-                        h13_desc.store([tile_row, pid_n * BLOCK_N], acc.to(h13_ptr.dtype.element_ty))
-                        h13_desc.store([tile_row, C + pid_n * BLOCK_N], acc_up.to(h13_ptr.dtype.element_ty))
+                        _store_gate_up_boxes(acc, acc_up, h13_desc, h13_ptr, tile_row, pid_n * BLOCK_N, C)
                 else:
                     _store_swiglu(acc, acc_up, out_ptr, h13_ptr, rows64, cols, ok, C, stride_om, stride_oc,
                                   stride_hm, stride_hc, SAVE_H13)
@@ -262,6 +260,13 @@ def _store_swiglu(gate, up, out_ptr, h13_ptr, rows64, cols, ok, C, stride_om, st
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
     if SAVE_H13:
         _store_gate_up(gate, up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
+
+
+@triton.jit
+def _store_gate_up_boxes(gate, up, h13_desc, h13_ptr, tile_row, c0, C):
+    """`_store_gate_up` of a whole tile by TMA (`TMA_STORE`): gate's box at h13's columns c0, up's at C + c0."""
+    h13_desc.store([tile_row, c0], gate.to(h13_ptr.dtype.element_ty))
+    h13_desc.store([tile_row, C + c0], up.to(h13_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -404,6 +409,20 @@ def _group_rows_dot(a_desc, b_desc, a_ptr, b_ptr, offsets_ptr, group, k0, c0, ks
 
 
 @triton.jit
+def _write_row_halves(out_desc, tile, tile_row, c0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      REDUCE: tl.constexpr):
+    """A weight-gradient tile [BLOCK_K, BLOCK_N] written by TMA in two halves of rows through one buffer (half the
+    shared memory beside the ring): reduce-added (`REDUCE`: the atomic epilogue's add) or stored."""
+    top, bottom = tl.split(tl.permute(tl.reshape(tile, (2, BLOCK_K // 2, BLOCK_N)), (1, 2, 0)))
+    if REDUCE:
+        out_desc.atomic_add([tile_row, c0], top)
+        out_desc.atomic_add([tile_row + BLOCK_K // 2, c0], bottom)
+    else:
+        out_desc.store([tile_row, c0], top)
+        out_desc.store([tile_row + BLOCK_K // 2, c0], bottom)
+
+
+@triton.jit
 def _ragged_weight_grad_kernel(
     a_ptr, b_ptr, out_ptr, offsets_ptr, a_desc, b_desc, a2_ptr, b2_ptr, offsets2_ptr, a2_desc, b2_desc, out_desc,
     E, E_W, KA, C, num_programs,
@@ -460,10 +479,8 @@ def _ragged_weight_grad_kernel(
                                   stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M, TMA)
         tile_row = expert * KA + pid_k * BLOCK_K
         if ACCUMULATE and ATOMIC:
-            if TMA_STORE:  # in two halves of rows through one buffer: half the shared memory beside the ring
-                top, bottom = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_K // 2, BLOCK_N)), (1, 2, 0)))
-                out_desc.atomic_add([tile_row, pid_n * BLOCK_N], top)
-                out_desc.atomic_add([tile_row + BLOCK_K // 2, pid_n * BLOCK_N], bottom)
+            if TMA_STORE:
+                _write_row_halves(out_desc, acc, tile_row, pid_n * BLOCK_N, BLOCK_K, BLOCK_N, True)
             else:
                 tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
         else:
@@ -472,10 +489,8 @@ def _ragged_weight_grad_kernel(
             elif ACCUMULATE:
                 acc += tl.load(out_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             if TMA_STORE:
-                top, bottom = tl.split(tl.permute(tl.reshape(acc.to(out_ptr.dtype.element_ty),
-                                                             (2, BLOCK_K // 2, BLOCK_N)), (1, 2, 0)))
-                out_desc.store([tile_row, pid_n * BLOCK_N], top)
-                out_desc.store([tile_row + BLOCK_K // 2, pid_n * BLOCK_N], bottom)
+                _write_row_halves(out_desc, acc.to(out_ptr.dtype.element_ty), tile_row, pid_n * BLOCK_N, BLOCK_K,
+                                  BLOCK_N, False)
             else:
                 tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
@@ -886,13 +901,7 @@ def tma_store_takes(t_NC: torch.Tensor) -> bool:
     """Whether TMA can write `t_NC` (`TileConfig.tma_store`): `tma_takes`' layout (not empty, rows contiguous, base
     address and row stride 16-byte aligned), in bf16, fp16 or fp32 (the copy moves bytes: no MMA reads them) on a
     Hopper or newer GPU, or any float in the CPU interpreter."""
-    if (t_NC.dim() != 2 or t_NC.numel() == 0 or t_NC.stride(1) != 1 or t_NC.data_ptr() % 16
-            or (t_NC.stride(0) * t_NC.element_size()) % 16):
-        return False
-    if t_NC.device.type == "cpu":
-        return True
-    return (t_NC.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and torch.cuda.get_device_capability(t_NC.device)[0] >= 9)
+    return _tma_addressable(t_NC, (torch.bfloat16, torch.float16, torch.float32))
 
 
 def tma_takes(t_NK: torch.Tensor) -> bool:
@@ -901,9 +910,13 @@ def tma_takes(t_NK: torch.Tensor) -> bool:
     from shared memory, which its tf32 form cannot) or any float in the CPU interpreter (which
     emulates the descriptors: its tests run fp32); otherwise a launch asking for TMA loads through
     pointers."""
-    if (t_NK.dim() != 2 or t_NK.numel() == 0 or t_NK.stride(1) != 1 or t_NK.data_ptr() % 16
-            or (t_NK.stride(0) * t_NK.element_size()) % 16):
-        return False  # (a descriptor needs every dimension positive)
-    if t_NK.device.type == "cpu":
-        return True
-    return t_NK.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t_NK.device)[0] >= 9
+    return _tma_addressable(t_NK, (torch.bfloat16, torch.float16))
+
+
+def _tma_addressable(t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether a descriptor can address `t`: 2-D, not empty (a descriptor needs every dimension positive), rows
+    contiguous, base address and row stride 16-byte aligned; on a GPU, one of `dtypes` on a Hopper or newer (the CPU
+    interpreter emulates descriptors of any float)."""
+    if t.dim() != 2 or t.numel() == 0 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return False
+    return t.device.type == "cpu" or (t.dtype in dtypes and torch.cuda.get_device_capability(t.device)[0] >= 9)

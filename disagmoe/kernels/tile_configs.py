@@ -247,9 +247,10 @@ def untuned_classes(dims: dict[str, tuple[int, int]], rows: int, experts: int, d
             if tuned(role, k, n, rows, experts, device_name, arch) is None]
 
 
-# A Hopper's shared memory a block may take (227 KiB), less what Triton's barriers and alignment take beside a ring
-# (`tma_store_fits`; a tile that still does not fit fails to launch, and the tuner's search skips it)
-HOPPER_SHARED_MEMORY_BYTES = 232_448
+# A Hopper's shared memory a block may take (227 KiB; the Gluon kernels' budget too, `gluon_ragged`), and what
+# Triton's barriers and alignment take beside a ring (`tma_store_fits`; a tile that still does not fit fails to
+# launch, and the tuner's search skips it)
+HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 SHARED_MEMORY_RESERVE_BYTES = 1_024
 
 
@@ -258,12 +259,11 @@ def tma_store_fits(config: TileConfig, role: str) -> bool:
     memory: a row GEMM's [block_m, block_n] bf16 (one buffer for the tile's boxes in turn) beside its A and B boxes
     (two B boxes for the SwiGLU launch); a weight gradient's [block_k / 2, block_n] fp32 (the main gradient's sums,
     half a tile's rows at a time) beside its [block_m, block_k] and [block_m, block_n] row boxes."""
-    if role.startswith("wgrad"):
+    if role.startswith("wgrad"):  # the row step's boxes of both operands a stage (not `shared_memory_bytes`' axes)
         ring = config.num_stages * config.block_m * (config.block_k + config.block_n) * 2
         buffer = config.block_k // 2 * config.block_n * 4
     else:
-        b_boxes = 2 if role == "gate_up" else 1
-        ring = config.num_stages * (config.block_m + b_boxes * config.block_n) * config.block_k * 2
+        ring = config.shared_memory_bytes(2, b_tiles=2 if role == "gate_up" else 1)
         buffer = config.block_m * config.block_n * 2
     return ring + buffer <= HOPPER_SHARED_MEMORY_BYTES - SHARED_MEMORY_RESERVE_BYTES
 

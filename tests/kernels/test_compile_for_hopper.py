@@ -853,10 +853,7 @@ def test_the_atomic_weight_gradient_adds_with_reductions_and_no_spills(monkeypat
                       spill_store_bytes(kernel.asm["ptx"])))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)
-    rows, experts, hidden, cols = 1024, 4, 256, 512
-    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
-    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
-    main = torch.zeros(experts, hidden, cols)
+    x, dh, offsets, main = _wgrad_operands()
     for tile in (tuner.candidates("wgrad_w13")[0], heuristic("wgrad_w13")):
         for atomic in (False, True):
             atomic_now[0] = atomic
@@ -890,10 +887,7 @@ def test_the_prefetching_weight_gradient_reads_the_main_gradient_before_its_mmas
         found.append((kwargs["PREFETCH"], loads_after == 0, spill_store_bytes(kernel.asm["ptx"])))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)
-    rows, experts, hidden, cols = 1024, 4, 256, 512
-    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
-    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
-    main = torch.zeros(experts, hidden, cols)
+    x, dh, offsets, main = _wgrad_operands()
     tiles = [tile for tile in tuner.candidates("wgrad_w13") if tile.prefetch_accumulator]
     assert len(tiles) >= 2
     for tile in tiles:
@@ -919,15 +913,21 @@ def test_the_tma_weight_gradient_loads_by_tensor_map_without_spills(monkeypatch)
         found.append(("cp.async.bulk.tensor" in ptx, "wgmma.mma_async" in ptx, spill_store_bytes(ptx)))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)
-    rows, experts, hidden, cols = 1024, 4, 256, 512
-    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
-    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
-    main = torch.zeros(experts, hidden, cols)
+    x, dh, offsets, main = _wgrad_operands()
     tiles = [tile for tile in tuner.candidates("wgrad_w13") if tile.tma and not tile.prefetch_accumulator]
     assert tiles and all(tile.atomic_accumulate for tile in tiles)  # (the prefetching ones: the test above)
     for tile in tiles:
         gg.ragged_weight_grad(x, dh, offsets, tile, out=main, accumulate=True, num_programs=8)
     assert found == [(True, True, 0)] * len(tiles), found
+
+
+def _wgrad_operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, dh, offsets, main): a weight gradient's bf16 rows (4 experts of 256 rows, K 256, C 512) and the fp32
+    main gradient [4, 256, 512] it adds into, on the CPU (the launch is only compiled)."""
+    rows, experts, hidden, cols = 1024, 4, 256, 512
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
+    return x, dh, offsets, torch.zeros(experts, hidden, cols)
 
 
 def _row_gemm_launches(split_down_dgrad: bool) -> dict:
@@ -1068,10 +1068,7 @@ def test_the_weight_gradient_reduce_adds_by_tensor_map_where_the_tuner_offers_it
         found.append((ptx.count("cp.reduce.async.bulk.tensor"), spill_store_bytes(ptx), kernel.metadata.shared))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)
-    rows, experts, hidden, cols = 1024, 4, 256, 512
-    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
-    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
-    main = torch.zeros(experts, hidden, cols)
+    x, dh, offsets, main = _wgrad_operands()
     tiles = [t for t in tuner.candidates("wgrad_w13") if t.tma_store]
     assert TileConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3, atomic_accumulate=True,
                       tma=True, tma_store=True) in tiles
