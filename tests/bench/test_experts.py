@@ -117,6 +117,15 @@ def test_the_tma_store_tiles_write_every_launch_of_our_triton_kernel_by_tma():
     assert dict(zip(head, rows[0], strict=True))[f"{bench.TMA_STORE_BACKEND} / triton"] == "1.10x"
 
 
+def test_the_tma_store_block_is_refused_before_hopper_with_the_fix(monkeypatch):
+    """`triton:tma-store` on a GPU older than Hopper (no TMA): a ValueError that says to leave it out, before any
+    timing (the device is faked: the check reads only its compute capability)."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"triton:tma-store .*needs Hopper .*sm_80: leave it out of --backend"):
+        bench.run(["mixtral-8x7b"], ["grouped_mm", "triton", bench.TMA_STORE_BACKEND], 1, 1, 1)
+
+
 def test_the_gluon_tiles_send_every_launch_the_gluon_kernels_take_there():
     """`FFNTiles.on_gluon`: gate/up, down and the gate/up data gradient on the Gluon kernels (TMA stores, never the
     library's), down dgrad on its split epilogue's Gluon plain GEMM, the weight gradients on the Gluon weight
