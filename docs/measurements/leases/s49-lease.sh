@@ -8,6 +8,10 @@
 #   Y: the Mixtral config's expert classes retuned (the tuner now offers the TMA-store tiles; the compile workers'
 #      first GPU run), then the Mixtral step against transformers on that table.
 #   Z: the DeepSeek config's classes tuned, then its step against transformers on that table.
+#   R: item 3's row on the table as committed, the row's own shape (`--shape mixtral-8x7b`, Zipf-routed) retuned
+#      with the tuner's new candidates (Gluon, TMA stores), the row again on that table, then (where the card holds
+#      it: an H200) the Mixtral step against transformers on it. Session 49 saw on an H100 that the Mixtral classes
+#      tuned on balanced loads cost the Zipf row 6-7 points (84%/77% -> 79%/70%): the classes' loads matter.
 # Copy the card's table from $OUT over disagmoe/kernels/tuned/ before the next call; commit a table only with its step.
 set -uo pipefail
 mkdir -p "$OUT"
@@ -26,7 +30,12 @@ tune() {  # $1: config, $2: log name, $3: limit
     > "$OUT/$2.txt" 2>&1; stamp "$2" $?
   cp "disagmoe/kernels/tuned/$table" "$OUT/"
 }
-case "${1:?X, Y or Z}" in
+experts() {  # $1: record name
+  t0=$(date +%s); timeout 150 python3 -m disagmoe bench experts --main-grads --shape mixtral-8x7b \
+    --backend grouped_mm --backend triton --backend triton:tma-store --markdown --out "$OUT/$1.json" \
+    > "$OUT/$1.txt" 2>&1; stamp "$1" $?
+}
+case "${1:?X, Y, Z or R}" in
 X)
   t0=$(date +%s); timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_moe_ffn.py tests/kernels/test_fp8.py \
     -k "tma_stores or tma_row or written_by_tma or quantising_swiglu_epilogue_writes" \
@@ -49,5 +58,14 @@ Z)
   row h200-deepseek-v3 deepseek-hf-retuned
   grep -E "compiling|ran [0-9]+ of|replaces|best by kernel| best " "$OUT/tune-deepseek.txt" | cut -c1-150
   grep -E "^single|^hf-|expert tiles" "$OUT/deepseek-hf-retuned.log" | cut -c1-160 ;;
+R)
+  experts experts-committed
+  t0=$(date +%s); timeout 240 python3 -m disagmoe bench tune-experts --shape mixtral-8x7b > "$OUT/tune-zipf.txt" 2>&1
+  stamp tune-zipf $?; cp "disagmoe/kernels/tuned/$table" "$OUT/"
+  experts experts-retuned
+  case "$card" in *H200*) row h200-mixtral-8x7b mixtral-hf-zipf-tiles ;; esac
+  grep -E "compiling|ran [0-9]+ of|replaces|best by kernel| best " "$OUT/tune-zipf.txt" | cut -c1-200
+  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" | cut -c1-170
+  [ -f "$OUT/mixtral-hf-zipf-tiles.log" ] && grep -E "^single|^hf-" "$OUT/mixtral-hf-zipf-tiles.log" | cut -c1-160 ;;
 esac
 cat "$OUT/times.txt"
