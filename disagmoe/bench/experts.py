@@ -40,7 +40,7 @@ from disagmoe.kernels.fp8_ffn import (DEFAULT_BACKWARD, DEFAULT_FORWARD, Fp8Expe
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (Fp8RowGradSlot, combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
-from disagmoe.kernels.tile_configs import TileConfig, device_architecture, tile_source
+from disagmoe.kernels.tile_configs import TileConfig, device_architecture, launching_for, tile_source
 
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
@@ -511,37 +511,40 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     record["shapes"] = []
     for name in shape_names:
         shape = SHAPES[name]
-        experts, hidden, ffn, top_k = shape.dims
-        inputs = make_inputs(shape, device)
-        dy = torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
-                         generator=torch.Generator(device=device).manual_seed(1))
-        loads = torch.bincount(inputs[1].reshape(-1), minlength=experts).float()
-        tiles = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
-        fp8_tiles = {b: fp8_tiles_for(b, Fp8Tiles.for_shape(shape.pairs, experts, hidden, ffn, device))
-                     for b in backends if is_fp8(b)}
-        entry = {"name": name, "experts": experts, "hidden": hidden, "ffn": ffn, "top_k": top_k,
-                 "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
-                 "tiles": dataclasses.asdict(tiles),
-                 "fp8_tiles": {b: dataclasses.asdict(t) for b, t in fp8_tiles.items()},
-                 "fp8_kernels": {b: fp8_kernel_paths(b, hidden, ffn, device) for b in fp8_tiles},
-                 "ms": {}, "tflops": {}}
-        for backend, t in fp8_tiles.items():
-            log(f"{name} {backend} tiles: {t.describe()}")
-        if check:
-            checked = [b for b in backends if b in ("triton", "grouped_mm", *BF16_VARIANTS) or needs_fp8(b)]
-            reference = reference_outputs(inputs, dy)
-            entry["rel_err"] = {b: (forward_error if b in FORWARD_ONLY else relative_errors)(
-                make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference) for b in checked}
-            del reference
-        for backend in backends:
-            block = make_block(backend, tiles, fp8_tiles.get(backend))
-            n_iters = loop_iters if backend == "loop" else iters
-            for pass_name in passes_of(backend):
-                ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters, main_grads)
-                entry["ms"].setdefault(backend, {})[pass_name] = ms
-                rate = shape.flops(pass_name) / ms / 1e9
-                entry["tflops"].setdefault(backend, {})[pass_name] = rate
-                log(f"{name} {backend} {pass_name}: {ms:.3f} ms")
+        shape_loads = "even" if shape.balanced else "routed"
+        with launching_for(shape_loads):  # the tiles tuned for its loads (`tile_configs.LOADS`)
+            experts, hidden, ffn, top_k = shape.dims
+            inputs = make_inputs(shape, device)
+            dy = torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
+                             generator=torch.Generator(device=device).manual_seed(1))
+            loads = torch.bincount(inputs[1].reshape(-1), minlength=experts).float()
+            tiles = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
+            fp8_tiles = {b: fp8_tiles_for(b, Fp8Tiles.for_shape(shape.pairs, experts, hidden, ffn, device))
+                         for b in backends if is_fp8(b)}
+            entry = {"name": name, "experts": experts, "hidden": hidden, "ffn": ffn, "top_k": top_k,
+                     "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
+                     "loads": shape_loads,
+                     "tiles": dataclasses.asdict(tiles),
+                     "fp8_tiles": {b: dataclasses.asdict(t) for b, t in fp8_tiles.items()},
+                     "fp8_kernels": {b: fp8_kernel_paths(b, hidden, ffn, device) for b in fp8_tiles},
+                     "ms": {}, "tflops": {}}
+            for backend, t in fp8_tiles.items():
+                log(f"{name} {backend} tiles: {t.describe()}")
+            if check:
+                checked = [b for b in backends if b in ("triton", "grouped_mm", *BF16_VARIANTS) or needs_fp8(b)]
+                reference = reference_outputs(inputs, dy)
+                entry["rel_err"] = {b: (forward_error if b in FORWARD_ONLY else relative_errors)(
+                    make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference) for b in checked}
+                del reference
+            for backend in backends:
+                block = make_block(backend, tiles, fp8_tiles.get(backend))
+                n_iters = loop_iters if backend == "loop" else iters
+                for pass_name in passes_of(backend):
+                    ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters, main_grads)
+                    entry["ms"].setdefault(backend, {})[pass_name] = ms
+                    rate = shape.flops(pass_name) / ms / 1e9
+                    entry["tflops"].setdefault(backend, {})[pass_name] = rate
+                    log(f"{name} {backend} {pass_name}: {ms:.3f} ms")
         record["shapes"].append(entry)
         del inputs, dy
         torch.cuda.empty_cache()

@@ -336,15 +336,15 @@ def kernel_kind(config: TileConfig) -> str:
 
 
 def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[str, tuple[int, int]],
-               flops: dict[str, float], rows: int, experts: int, shape_name: str,
+               flops: dict[str, float], rows: int, experts: int, shape_name: str, loads: str,
                time_ms: Callable[[Callable[[], object]], float], log: Callable[[str], None] = print,
                configs: Callable[[str], list[TileConfig]] = candidates,
                default: Callable[[str], TileConfig] = default_config,
                tuned: Callable[[dict], object] = lambda results: None,
                progress: Callable[[str, int, int], None] = lambda label, done, total: None) -> dict:
     """One shape's results, keyed by shape class (`tile_configs.shape_class` of each role's dims,
-    `rows` and `experts`): the best config of `default(role)` and `configs(role)` (`search`), its
-    time, rate and the default's time: what `write_tuned` saves. `tuned` is handed each class's result
+    `rows`, `experts` and the `loads` its launches met): the best config of `default(role)` and
+    `configs(role)` (`search`), its time, rate and the default's time: what `write_tuned` saves. `tuned` is handed each class's result
     as soon as its search ends (`{class: result}`), so a caller can save it before the next role starts;
     `progress` (shape and role, candidates done, in all) as each candidate ends."""
     results = {}
@@ -352,7 +352,7 @@ def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[s
         best_ms, best, default_ms = search(launch, default(role), configs(role), time_ms, log, role,
                                            lambda done, total: progress(f"{shape_name} {role}", done, total))
         rate = flops[role] / best_ms / 1e9
-        key = shape_class(role, *dims[role], rows, experts)
+        key = shape_class(role, *dims[role], rows, experts, loads)
         results[key] = {
             "config": best.to_json(), "ms": best_ms, "tflops": rate, "heuristic_ms": default_ms, "shape": shape_name}
         tuned({key: results[key]})
@@ -433,7 +433,8 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
                 label = f"{name} compiling ({workers} processes)"
                 precompile(functools.partial(shape_launches, shape, precision, roles), jobs, workers,
                            progress=lambda done, total: progress(label, done, total), log=log)
-        results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log,
+        results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name,
+                                  "even" if shape.balanced else "routed", time_ms, log,
                                   tuned=lambda one: save({"environment": env, "architecture": arch, "results": one}),
                                   progress=progress))
         del launches
@@ -444,9 +445,10 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
 def write_tuned(record: dict, out: Path | None, log: Callable[[str], None] = lambda line: None) -> Path:
     """Merge the winners into the GPU's tuned table (the data the launcher reads), with the GPU's
     architecture (`tile_configs.architecture`: GPUs of the same one without a table read it). A class is keyed by
-    its GEMM, K, N and rows an expert only, so shapes that differ in their routing or weight-gradient pairing share
-    it (`bench experts`' Zipf-routed mixtral-8x7b and the balanced Mixtral config, 2,048 rows an expert each): `log`
-    is told of every entry this write replaces that another shape's search had written (`replaced_entries`)."""
+    its GEMM, K, N, rows an expert and loads (`tile_configs.LOADS`) only, so shapes that differ in their skew or
+    weight-gradient pairing share it (`bench experts`' Zipf-routed mixtral-8x7b and the Mixtral config's learned
+    routing, 2,048 rows an expert each): `log` is told of every entry this write replaces that another shape's
+    search had written (`replaced_entries`)."""
     path = out or TUNED_DIR / f"{gpu_slug(record['environment']['gpu'])}.json"
     table = json.loads(path.read_text()) if path.exists() else {"entries": {}, "measured": {}}
     for line in replaced_entries(table, record["results"]):

@@ -264,9 +264,11 @@ def tune_experts(
 ) -> None:
     """Autotune the expert FFN's grouped GEMM tiles per shape class on this GPU and save them.
 
-    The table is keyed by (GEMM, K, N, mean rows per expert rounded up to a power of 2); a run whose
-    class was never tuned launches the heuristic tiles (a single run names those classes as it
-    starts). `--config CFG` tunes exactly the classes that run launches:
+    The table is keyed by (GEMM, K, N, mean rows per expert rounded up to a power of 2, loads); a run
+    whose class was never tuned launches the heuristic tiles (a single run names those classes as it
+    starts). Loads: a `routing=balanced` config's classes are tuned on even rows (`/even` entries), the
+    `--shape`s and learned routing on Zipf-skewed ones; a run reads its own loads' tiles first.
+    `--config CFG` tunes exactly the classes that run launches:
     `disagmoe bench tune-experts -c configs/h200x2-qwen3-30b.yaml micro_batches=2`;
     `--role wgrad_w13 --role wgrad_w2` only the weight gradients. Each class is saved as soon as it is
     tuned: a search stopped part-way keeps the classes it finished."""

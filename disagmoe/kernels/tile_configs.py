@@ -11,14 +11,24 @@ back to the heuristic: an H100 (sm_90, 132 SMs) launches the tiles tuned on an H
 SMs), which differ in HBM bandwidth and capacity, not in what a tile fits or how many run at once.
 Tuning on a GPU writes its own table, read first; a class it lacks is still read from the same
 architecture's. `tile_source` says which tables a GPU reads.
+
+A class is tuned for the loads its launches meet (`LOADS`): `routed` (a run's learned routing; the tuner routes
+its rows Zipf-skewed) or `even` (`routing: balanced`, every expert its mean rows: the benchmarks' rows, keyed
+`<class>/even`). The winners differ: on an H100 (session 49) the Mixtral classes tuned on even loads moved two
+launches to the library's grouped GEMM, which Zipf-skewed loads slow, and cost `bench experts`' Zipf-routed
+mixtral-8x7b row 5 points of its forward and 7 of its fwd+bwd. A process launches for the loads `set_expert_loads`
+says (its run's routing, as the trainer and every rank set it; `expert_loads` for a block of launches), reading a
+class's other loads' entry where its own was never tuned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 TUNED_DIR = Path(__file__).parent / "tuned"
@@ -162,13 +172,58 @@ def gpu_slug(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
 
 
-def shape_class(role: str, k: int, n: int, rows: int, experts: int) -> str:
-    """Key of the tuned table: role, K, N, average rows per expert rounded up to a power of 2."""
+# The loads a class is tuned for (module docstring): a run's learned routing, or `routing: balanced`'s even rows.
+LOADS = ("routed", "even")
+
+
+class _Loads:
+    """The loads this process's expert launches look their tiles up for (`set_expert_loads`; default routed)."""
+
+    current = "routed"
+
+
+def _check_loads(loads: str) -> str:
+    if loads not in LOADS:
+        raise ValueError(f"expert loads {loads!r}: choose {' or '.join(LOADS)} (routing: learned routes its rows "
+                         "unevenly, routing: balanced evenly)")
+    return loads
+
+
+def set_expert_loads(loads: str) -> None:
+    """Process-wide, as `model.layers.set_fusion`: the expert launches from here on read the tiles tuned for `loads`
+    (`LOADS`; a run's `routing` gives it: `loads_of_routing`)."""
+    _Loads.current = _check_loads(loads)
+
+
+def expert_loads() -> str:
+    """The loads this process's expert launches read their tiles for (`set_expert_loads`)."""
+    return _Loads.current
+
+
+@contextlib.contextmanager
+def launching_for(loads: str) -> Iterator[None]:
+    """`set_expert_loads(loads)` for the block's launches, the process's own loads restored after it."""
+    before = _Loads.current
+    set_expert_loads(loads)
+    try:
+        yield
+    finally:
+        _Loads.current = before
+
+
+def loads_of_routing(routing: str) -> str:
+    """A run's `routing` ('learned' or 'balanced') as the loads its expert launches meet (`LOADS`)."""
+    return "even" if routing == "balanced" else "routed"
+
+
+def shape_class(role: str, k: int, n: int, rows: int, experts: int, loads: str = "routed") -> str:
+    """Key of the tuned table: role, K, N, average rows per expert rounded up to a power of 2, and `/even` for the
+    even loads' class (module docstring)."""
     if role not in ROLES + FP8_ROLES:
         raise ValueError(f"unknown kernel role {role!r}; choose one of {ROLES + FP8_ROLES}")
     avg = max(1, rows // max(1, experts))
     bucket = 1 << (avg - 1).bit_length()
-    return f"{role}/k{k}/n{n}/m{bucket}"
+    return f"{role}/k{k}/n{n}/m{bucket}" + ("/even" if _check_loads(loads) == "even" else "")
 
 
 def architecture(capability: tuple[int, int], sms: int) -> str:
@@ -230,21 +285,23 @@ def clear_cache() -> None:
 
 
 def tuned(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
-          arch: str | None = None) -> TileConfig | None:
+          arch: str | None = None, loads: str | None = None) -> TileConfig | None:
     """The tuned config of this shape class on this GPU (or, where this class was not tuned here,
-    on a GPU of its `architecture` `arch`: `table_slugs`), None when none was tuned."""
-    key = shape_class(role, k, n, rows, experts)
-    return next((config for slug in table_slugs(device_name, arch)
+    on a GPU of its `architecture` `arch`: `table_slugs`) for `loads` (default: `expert_loads()`), else for the other
+    loads (module docstring); None when none was tuned."""
+    wanted = _check_loads(loads or _Loads.current)
+    keys = [shape_class(role, k, n, rows, experts, each) for each in sorted(LOADS, key=lambda each: each != wanted)]
+    return next((config for key in keys for slug in table_slugs(device_name, arch)
                  if (config := _tuned_table(slug).get(key)) is not None), None)
 
 
 def untuned_classes(dims: dict[str, tuple[int, int]], rows: int, experts: int, device_name: str,
-                    arch: str | None = None) -> list[str]:
-    """The shape classes of the launches `dims` names (role -> (K, N), as `moe_ffn.FFNTiles.gemm_dims` gives
-    them) over `rows` routed rows and `experts` experts that no table this GPU reads has tuned (`tuned`): the
-    launches that run the heuristic tiles, in `dims`' order."""
-    return [shape_class(role, k, n, rows, experts) for role, (k, n) in dims.items()
-            if tuned(role, k, n, rows, experts, device_name, arch) is None]
+                    arch: str | None = None, loads: str = "routed") -> list[str]:
+    """The shape classes for `loads` of the launches `dims` names (role -> (K, N), as `moe_ffn.FFNTiles.gemm_dims`
+    gives them) over `rows` routed rows and `experts` experts that no table this GPU reads has tuned for either
+    loads (`tuned`): the launches that run the heuristic tiles, in `dims`' order."""
+    return [shape_class(role, k, n, rows, experts, loads) for role, (k, n) in dims.items()
+            if tuned(role, k, n, rows, experts, device_name, arch, loads) is None]
 
 
 # A Hopper's shared memory a block may take (227 KiB; the Gluon kernels' budget too, `gluon_ragged`), and what

@@ -29,9 +29,10 @@ def test_a_runs_shape_is_its_micro_batch_of_tokens_routed_as_the_run_routes():
     assert shape.pairs == 8 * 4096 * 8 and shape.balanced
     assert shape.dims == (128, 2048, 768, 8)
     experts, hidden, ffn, _ = shape.dims
-    keys = {shape_class(role, *FFNTiles.gemm_dims(hidden, ffn)[role], shape.pairs, experts)
+    keys = {shape_class(role, *FFNTiles.gemm_dims(hidden, ffn)[role], shape.pairs, experts, "even")
             for role in ("gate_up", "down")}
-    assert keys == {"gate_up/k2048/n768/m2048", "down/k768/n2048/m2048"}  # the classes the run launches
+    # the classes the run launches, for its even loads
+    assert keys == {"gate_up/k2048/n768/m2048/even", "down/k768/n2048/m2048/even"}
     learned = bench.shape_of_run(load_train_config(QWEN3, ["micro_batches=8"]))
     assert learned.pairs == 2 * 4096 * 8 and not learned.balanced
 
@@ -235,6 +236,44 @@ def test_each_class_is_saved_as_soon_as_it_is_tuned(monkeypatch, tmp_path):
     assert TileConfig(**next(iter(saved["entries"].values()))) == best and saved["architecture"] == "sm_90x132"
 
 
+def test_a_balanced_runs_classes_are_saved_for_even_loads_beside_the_routed_ones(monkeypatch, tmp_path):
+    """A config's `routing: balanced` shape is tuned into its classes' `/even` entries, the Zipf-routed bench shape
+    of the same classes into the plain ones: neither retune takes the other's entry (`tile_configs.LOADS`), and a
+    launch reads the entry of its process's loads."""
+    from disagmoe.bench.experts import SHAPES
+    from disagmoe.kernels import tile_configs as tc
+
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
+    monkeypatch.setattr(tuner, "device_architecture", lambda device: "sm_90x132")
+    monkeypatch.setattr(tuner, "role_launches", lambda shape, device: {"down": None})
+    monkeypatch.setattr(tuner, "_hopper", lambda: False)
+    tiles = {True: TileConfig(block_m=64, block_n=128, block_k=64), False: TileConfig(block_m=128, block_n=64,
+                                                                                      block_k=64)}
+    monkeypatch.setattr(tuner, "search", lambda launch, default, configs, time_ms, log, role, progress: (
+        1.0, tiles[current.balanced], 2.0))
+    cfg = load_train_config(QWEN3, ["micro_batches=8", "routing=balanced"])
+    balanced = bench.shape_of_run(cfg)
+    routed = dataclasses.replace(SHAPES["qwen3-30b-a3b"], pairs=balanced.pairs)  # the same classes, Zipf-routed
+    table, lines = tmp_path / "cpu.json", []  # the table a CPU launch reads
+    for current in (balanced, routed):
+        tuner.tune([current], 0, 1, log=lambda m: None, compile_workers=0,
+                   save=lambda one: tuner.write_tuned(one, table, lines.append))
+    saved = json.loads(table.read_text())["entries"]
+    assert sorted(saved) == ["down/k768/n2048/m512", "down/k768/n2048/m512/even"] and lines == []
+    assert TileConfig(**saved["down/k768/n2048/m512/even"]) == tiles[True]
+    assert TileConfig(**saved["down/k768/n2048/m512"]) == tiles[False]
+    monkeypatch.setattr(tc, "TUNED_DIR", tmp_path)
+    tc.clear_cache()
+    try:
+        for loads, balanced_tile in (("even", True), ("routed", False)):
+            with tc.launching_for(loads):
+                assert FFNTiles.for_shape(balanced.pairs, 128, 2048, 768, torch.device("cpu")).down == tiles[
+                    balanced_tile]
+    finally:
+        tc.clear_cache()
+
+
 def test_a_failed_table_write_leaves_the_table_as_it_was(tmp_path, monkeypatch):
     """The table is written to a file of the write's own and moved over it: a write that fails part-way (a full
     disk, ^C) leaves the old table whole and no stray file beside it."""
@@ -268,8 +307,8 @@ def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):
 
 
 def test_a_write_names_each_class_another_shapes_search_had_tuned(tmp_path):
-    """Classes are keyed by GEMM, K, N and rows an expert: the Zipf-routed bench shape and a balanced config of one
-    model share them, and the last tune wins. The write says so for each entry it takes over from another shape, and
+    """Classes are keyed by GEMM, K, N, rows an expert and loads: the Zipf-routed bench shape and a learned-routing
+    config of one model share them, and the last tune wins. The write says so for each entry it takes over from another shape, and
     nothing where the same shape retunes its class or the class is new."""
     path = tmp_path / "gpu.json"
     tile = TileConfig(block_m=128, block_n=128, block_k=64).to_json()
@@ -285,10 +324,10 @@ def test_a_write_names_each_class_another_shapes_search_had_tuned(tmp_path):
     assert lines == []  # new classes
     tuner.write_tuned(record("mixtral-8x7b", 5.4, "gate_up/k4096/n14336/m2048"), path, lines.append)
     assert lines == []  # the same shape again
-    tuner.write_tuned(record("mixtral-8x7b-3l-t8192-balanced-paired-wgrads", 5.2, "gate_up/k4096/n14336/m2048",
+    tuner.write_tuned(record("mixtral-8x7b-3l-t8192-paired-wgrads", 5.2, "gate_up/k4096/n14336/m2048",
                              "wgrad_w2/k14336/n4096/m2048"), path, lines.append)
     assert lines == ["  gate_up/k4096/n14336/m2048: replaces the tile tuned on mixtral-8x7b (5.400 ms there) with "
-                     "mixtral-8x7b-3l-t8192-balanced-paired-wgrads's (5.200 ms): both shapes launch this class's tile"]
+                     "mixtral-8x7b-3l-t8192-paired-wgrads's (5.200 ms): both shapes launch this class's tile"]
     assert json.loads(path.read_text())["measured"]["gate_up/k4096/n14336/m2048"]["ms"] == 5.2
 
 
@@ -346,7 +385,7 @@ def test_the_fp8_search_saves_the_fastest_checked_tiles_and_the_fp8_ffn_runs_the
     logged: list[str] = []
     results = tuner.tune_roles({role: corrupting(role, launch) for role, launch in launches.items()},
                                {role: (hidden, ffn) for role in launches}, {role: 1e9 for role in launches},
-                               rows, experts, "tiny", time_ms, logged.append,
+                               rows, experts, "tiny", "routed", time_ms, logged.append,
                                configs=CANDIDATES.__getitem__, default=DEFAULTS.__getitem__)
     assert len(timed) == 3 * 3  # default, first and last candidate of each role
     assert sum("skip" in line for line in logged) == 3 and sum("reject" in line for line in logged) == 3

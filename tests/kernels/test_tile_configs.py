@@ -91,6 +91,55 @@ def test_untuned_classes_names_the_launches_no_table_this_gpu_reads_has_tuned(tm
         tc.clear_cache()
 
 
+def test_a_class_is_tuned_for_its_loads_and_launches_read_the_processs_loads_first(tmp_path, monkeypatch):
+    """Even loads (`routing: balanced`) key `<class>/even`, routed ones the plain class; a launch reads the entry of
+    the process's loads (`set_expert_loads`, `launching_for`), on any table of its architecture, before the other
+    loads' entry, and the heuristic only where neither was tuned."""
+    assert tc.shape_class("down", 1536, 4096, 32768, 16, "even") == "down/k1536/n4096/m2048/even"
+    assert tc.shape_class("down", 1536, 4096, 32768, 16, "routed") == "down/k1536/n4096/m2048"
+    with pytest.raises(ValueError, match="choose routed or even"):
+        tc.shape_class("down", 1, 1, 1, 1, "skewed")
+    with pytest.raises(ValueError, match="choose routed or even"):
+        tc.set_expert_loads("balanced")
+    assert [tc.loads_of_routing(r) for r in ("learned", "balanced")] == ["routed", "even"]
+    routed, even, sibling_even = (tc.TileConfig(block_m=m, block_n=32, block_k=16) for m in (16, 32, 64))
+    arch = tc.architecture((9, 0), 132)
+    own = {"entries": {tc.shape_class("gate_up", 64, 32, 400, 4): routed.to_json(),
+                       tc.shape_class("down", 32, 64, 400, 4): routed.to_json()}, "architecture": arch}
+    sibling = {"entries": {tc.shape_class("down", 32, 64, 400, 4, "even"): sibling_even.to_json(),
+                           tc.shape_class("gate_up", 64, 32, 400, 4, "even"): even.to_json()}, "architecture": arch}
+    (tmp_path / "test-gpu.json").write_text(json.dumps(own))
+    (tmp_path / "other-gpu.json").write_text(json.dumps(sibling))
+    monkeypatch.setattr(tc, "TUNED_DIR", tmp_path)
+    tc.clear_cache()
+    before = tc.expert_loads()
+    try:
+        tc.set_expert_loads("routed")
+        assert tc.lookup("gate_up", 64, 32, 400, 4, "Test GPU", arch=arch) == routed
+        with tc.launching_for("even"):
+            assert tc.expert_loads() == "even"
+            assert tc.lookup("gate_up", 64, 32, 400, 4, "Test GPU", arch=arch) == even  # the sibling's even entry
+            assert tc.lookup("down", 32, 64, 400, 4, "Test GPU", arch=arch) == sibling_even
+            assert tc.lookup("gate_up", 64, 32, 400, 4, "Test GPU") == routed  # no sibling read: the other loads'
+            assert tc.tuned("gate_up", 64, 32, 400, 4, "Test GPU", arch, loads="routed") == routed  # told, not read
+            assert tc.lookup("gate_up", 64, 32, 4000, 4, "Test GPU", arch=arch) == tc.heuristic("gate_up")
+        assert tc.expert_loads() == "routed"  # restored after the block
+        dims = {"gate_up": (64, 32), "wgrad_w2": (32, 64)}
+        assert tc.untuned_classes(dims, 400, 4, "Test GPU", arch, "even") == ["wgrad_w2/k32/n64/m128/even"]
+    finally:
+        tc.set_expert_loads(before)
+        tc.clear_cache()
+
+
+def test_committed_classes_are_keyed_by_the_loads_they_were_tuned_on():
+    """An entry tuned on a `routing: balanced` shape (named `...-balanced`) is its class's `/even` one, and every
+    `/even` entry was tuned on such a shape: the tables say which loads each tile won on."""
+    for path in tc.TUNED_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        for key, measured in table["measured"].items():
+            assert key.endswith("/even") == ("-balanced" in measured["shape"]), (path.name, key, measured["shape"])
+
+
 def test_the_committed_h200_table_records_its_architecture():
     """The H200's table names its architecture (sm_90, 132 SMs), so an H100 SXM reads it."""
     assert "nvidia-h200" in tc.table_slugs("NVIDIA H100 80GB HBM3", tc.architecture((9, 0), 132))

@@ -63,6 +63,7 @@ from disagmoe.model.experts import first_touch_params
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import set_fused_loss
 from disagmoe.kernels.fp8_stats import Fp8Stats, pack_for_sum, reduced_nonfinite_flag, unpack_sum
+from disagmoe.kernels.tile_configs import loads_of_routing, set_expert_loads
 from disagmoe.kernels.wgrad_pairs import launches_waiting, paired_weight_grads, run_waiting
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes, rank_model
@@ -183,6 +184,7 @@ class TrainWorker(Worker):
         pair = PairHop.of(cfg) if self.shapes.pair_rows else None
         set_fusion(cfg.fuse_elementwise)
         set_fused_loss(cfg.fused_loss)
+        set_expert_loads(loads_of_routing(cfg.routing))  # the expert tiles tuned for its loads
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
         self.model.set_routing(cfg.routing)

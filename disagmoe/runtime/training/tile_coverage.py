@@ -20,12 +20,13 @@ def untuned_tiles_note(cfg: TrainConfig, model_cfg: ModelConfig, device_name: st
     `device_name` (`arch`: its `tile_configs.architecture`) were never tuned there or on its architecture; None
     where all were, or where the run launches none of the tuned kernels (module docstring)."""
     from disagmoe.kernels.moe_ffn import FFNTiles
-    from disagmoe.kernels.tile_configs import untuned_classes
+    from disagmoe.kernels.tile_configs import loads_of_routing, untuned_classes
 
     if cfg.experts_backend != "triton" or cfg.expert_precision == "fp8":
         return None
     dims = FFNTiles.gemm_dims(model_cfg.hidden_size, model_cfg.expert_ffn_size)
-    missing = untuned_classes(dims, launch_rows(cfg, model_cfg), model_cfg.num_experts, device_name, arch)
+    missing = untuned_classes(dims, launch_rows(cfg, model_cfg), model_cfg.num_experts, device_name, arch,
+                              loads_of_routing(cfg.routing))
     if not missing:
         return None
     roles = "" if len(missing) == len(dims) else "".join(f" --role {key.split('/')[0]}" for key in missing)

@@ -42,7 +42,7 @@ from disagmoe.config import ModelConfig, TrainConfig, memory_knob_changes
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.kernels.fp8_stats import Fp8Stats
-from disagmoe.kernels.tile_configs import device_architecture
+from disagmoe.kernels.tile_configs import device_architecture, loads_of_routing, set_expert_loads
 from disagmoe.kernels.wgrad_pairs import paired_weight_grads
 from disagmoe.model import ModelOutput, MoETransformer
 from disagmoe.model.experts import check_backend_device, first_touch_params
@@ -443,6 +443,7 @@ class SingleProcessTrainer(TrainingLoop):
         torch.manual_seed(cfg.seed)
         set_fusion(cfg.fuse_elementwise)
         set_fused_loss(cfg.fused_loss)
+        set_expert_loads(loads_of_routing(cfg.routing))  # the expert tiles tuned for its loads
         # built on the meta device and initialised once where it runs: each tensor drawn from its CPU
         # stream and copied into device memory once (no constructor's throwaway init, no whole-model
         # copy; at 3.8 B parameters those cost `bench train` about a minute per row on an H200)

@@ -295,11 +295,22 @@ def test_bf16_single_mode_trains_and_checkpoints_fp32_masters(tmp_path):
 
 
 def test_balanced_routing_gives_every_expert_the_same_load(tmp_path):
-    cfg = tiny_run(tmp_path, routing="balanced", steps=2)
-    train_single(cfg)
-    records = read_metrics(tmp_path / "run" / METRICS_FILE)
-    assert all(r["routing"] == "balanced" for r in records)
-    assert all(ratio == 1.0 for r in records for ratio in r["load_imbalance"])
+    """... and its expert launches read the tiles tuned for even loads (`tile_configs.LOADS`), a learned run's the
+    routed ones."""
+    from disagmoe.kernels import tile_configs as tc
+
+    before = tc.expert_loads()
+    try:
+        cfg = tiny_run(tmp_path, routing="balanced", steps=2)
+        train_single(cfg)
+        assert tc.expert_loads() == "even"
+        records = read_metrics(tmp_path / "run" / METRICS_FILE)
+        assert all(r["routing"] == "balanced" for r in records)
+        assert all(ratio == 1.0 for r in records for ratio in r["load_imbalance"])
+        train_single(tiny_run(tmp_path / "learned", steps=1))
+        assert tc.expert_loads() == "routed"
+    finally:
+        tc.set_expert_loads(before)
 
 
 def test_no_checkpoint_at_the_end_when_asked(tmp_path):
