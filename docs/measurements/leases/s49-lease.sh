@@ -8,7 +8,8 @@
 #   Y: the Mixtral config's expert classes retuned (the tuner now offers the TMA-store tiles; the compile workers'
 #      first GPU run), then the Mixtral step against transformers on that table.
 #   Z: the DeepSeek config's classes tuned, then its step against transformers on that table.
-#   R: item 3's row on the table as committed, the row's own shape (`--shape mixtral-8x7b`, Zipf-routed) retuned
+#   R: item 3's row on the table as committed, the balanced Mixtral config tuned (its /even classes) and the row
+#      again (unchanged, where the loads keep their classes apart), the row's own shape (`--shape mixtral-8x7b`, Zipf-routed) retuned
 #      with the tuner's new candidates (Gluon, TMA stores), the row again on that table, then (where the card holds
 #      it: an H200) the Mixtral step against transformers on it. Session 49 saw on an H100 that the Mixtral classes
 #      tuned on balanced loads cost the Zipf row 6-7 points (84%/77% -> 79%/70%): the classes' loads matter.
@@ -60,12 +61,15 @@ Z)
   grep -E "^single|^hf-|expert tiles" "$OUT/deepseek-hf-retuned.log" | cut -c1-160 ;;
 R)
   experts experts-committed
-  t0=$(date +%s); timeout 240 python3 -m disagmoe bench tune-experts --shape mixtral-8x7b > "$OUT/tune-zipf.txt" 2>&1
+  tune h200-mixtral-8x7b tune-balanced 200  # the /even classes since 778cd5f: the Zipf row's stay
+  experts experts-after-balanced
+  t0=$(date +%s); timeout 200 python3 -m disagmoe bench tune-experts --shape mixtral-8x7b > "$OUT/tune-zipf.txt" 2>&1
   stamp tune-zipf $?; cp "disagmoe/kernels/tuned/$table" "$OUT/"
   experts experts-retuned
   case "$card" in *H200*) row h200-mixtral-8x7b mixtral-hf-zipf-tiles ;; esac
-  grep -E "compiling|ran [0-9]+ of|replaces|best by kernel| best " "$OUT/tune-zipf.txt" | cut -c1-200
-  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" | cut -c1-170
+  grep -E "compiling|ran [0-9]+ of|replaces| best " "$OUT/tune-balanced.txt" "$OUT/tune-zipf.txt" | cut -c1-200
+  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-after-balanced.txt" "$OUT/experts-retuned.txt" \
+    | cut -c1-170
   [ -f "$OUT/mixtral-hf-zipf-tiles.log" ] && grep -E "^single|^hf-" "$OUT/mixtral-hf-zipf-tiles.log" | cut -c1-160 ;;
 esac
 cat "$OUT/times.txt"
