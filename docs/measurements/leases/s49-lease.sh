@@ -61,15 +61,15 @@ Z)
   grep -E "^single|^hf-|expert tiles" "$OUT/deepseek-hf-retuned.log" | cut -c1-160 ;;
 R)
   experts experts-committed
-  tune h200-mixtral-8x7b tune-balanced 200  # the /even classes since 778cd5f: the Zipf row's stay
-  experts experts-after-balanced
   t0=$(date +%s); timeout 200 python3 -m disagmoe bench tune-experts --shape mixtral-8x7b > "$OUT/tune-zipf.txt" 2>&1
   stamp tune-zipf $?; cp "disagmoe/kernels/tuned/$table" "$OUT/"
   experts experts-retuned
-  case "$card" in *H200*) row h200-mixtral-8x7b mixtral-hf-zipf-tiles ;; esac
-  grep -E "compiling|ran [0-9]+ of|replaces| best " "$OUT/tune-balanced.txt" "$OUT/tune-zipf.txt" | cut -c1-200
-  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-after-balanced.txt" "$OUT/experts-retuned.txt" \
+  tune h200-mixtral-8x7b tune-balanced 150  # the /even classes since 778cd5f: the Zipf row's stay
+  experts experts-after-balanced
+  case "$card" in *H200*) row h200-mixtral-8x7b mixtral-hf-loads-tiles ;; esac
+  grep -E "compiling|ran [0-9]+ of|replaces| best " "$OUT/tune-zipf.txt" "$OUT/tune-balanced.txt" | cut -c1-200
+  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" "$OUT/experts-after-balanced.txt" \
     | cut -c1-170
-  [ -f "$OUT/mixtral-hf-zipf-tiles.log" ] && grep -E "^single|^hf-" "$OUT/mixtral-hf-zipf-tiles.log" | cut -c1-160 ;;
+  [ -f "$OUT/mixtral-hf-loads-tiles.log" ] && grep -E "^single|^hf-" "$OUT/mixtral-hf-loads-tiles.log" | cut -c1-160 ;;
 esac
 cat "$OUT/times.txt"
