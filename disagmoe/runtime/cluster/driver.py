@@ -656,7 +656,8 @@ def _process_facts(info: dict[str, Any], name: str) -> dict[str, Any]:
     """A rank's process as the summary records it (`TrainWorker.info`), JSON-ready."""
     return {"rank": info["rank"], "pid": info["pid"], "node": info["node_ip"], "device": info["device"],
             "role": name, "transport": info.get("transport"), "hop": info.get("hop"),
-            "dispatch": info.get("dispatch"), "dense_precision": info.get("dense_precision")}
+            "dispatch": info.get("dispatch"), "dense_precision": info.get("dense_precision"),
+            "expert_loads": info.get("expert_loads")}
 
 
 def dense_as_run(cfg: TrainConfig, processes: list[dict[str, Any]]) -> TrainConfig:

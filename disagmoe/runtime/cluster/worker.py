@@ -63,7 +63,7 @@ from disagmoe.model.experts import first_touch_params
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import set_fused_loss
 from disagmoe.kernels.fp8_stats import Fp8Stats, pack_for_sum, reduced_nonfinite_flag, unpack_sum
-from disagmoe.kernels.tile_configs import loads_of_routing, set_expert_loads
+from disagmoe.kernels.tile_configs import expert_loads, loads_of_routing, set_expert_loads
 from disagmoe.kernels.wgrad_pairs import launches_waiting, paired_weight_grads, run_waiting
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes, rank_model
@@ -258,7 +258,8 @@ class TrainWorker(Worker):
 
     def info(self) -> dict[str, Any]:
         """The base's facts, with the transport, hop and dispatch this rank really runs once set up,
-        and where it holds attention the dense projections' precision (`trainer.resolve_dense_fp8`)."""
+        where it holds attention the dense projections' precision (`trainer.resolve_dense_fp8`), and where it holds
+        experts the loads its expert launches read their tiles for (`tile_configs.set_expert_loads`)."""
         facts = super().info()
         if getattr(self, "transport", None) is not None:
             facts.update(transport=self.transport.kind,
@@ -266,6 +267,8 @@ class TrainWorker(Worker):
                          dispatch="sparse" if self.shapes.sparse else "dense")
             if self.topology.attention_role(self.rank) is not None:
                 facts.update(dense_precision=self.cfg.dense_precision)
+            if self.topology.expert_role(self.rank) is not None:  # the loads its expert tiles were tuned for
+                facts.update(expert_loads=expert_loads())
         return facts
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:

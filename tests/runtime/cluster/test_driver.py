@@ -917,7 +917,7 @@ def test_gpu_a_killed_rank_on_a_shared_gpu_restarts_to_the_uninterrupted_result(
 
 def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path):
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2, steps=1,
-                     hop="pair_rows")
+                     hop="pair_rows", routing="balanced")
     summary = run_on(warm, cfg)
     assert [p["rank"] for p in summary.processes] == [0, 1, 2]
     assert len({p["pid"] for p in summary.processes}) == 3 and {p["pid"] for p in summary.processes} != {os.getpid()}
@@ -925,6 +925,8 @@ def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path)
     assert {(p["device"], p["transport"], p["hop"], p["dispatch"]) for p in summary.processes} == {
         ("cpu", "local", "pair_rows", "dense")}
     assert [p["dense_precision"] for p in summary.processes] == ["fp32", None, None]  # an attention rank's only
+    # the expert ranks read the tiles tuned for `routing: balanced`'s even loads (`tile_configs.LOADS`)
+    assert [p["expert_loads"] for p in summary.processes] == [None, "even", "even"]
     assert summary.dispatch == "dense"
     assert (summary.transport, summary.time_sliced, summary.ranks_per_gpu, summary.gpus) == ("local", False, 1, None)
     assert json.loads(json.dumps(summary.to_dict()))["processes"][1]["role"] == "E0.0"
