@@ -8,11 +8,11 @@
 #   Y: the Mixtral config's expert classes retuned (the tuner now offers the TMA-store tiles; the compile workers'
 #      first GPU run), then the Mixtral step against transformers on that table.
 #   Z: the DeepSeek config's classes tuned, then its step against transformers on that table.
-#   R: item 3's row on the table as committed, the balanced Mixtral config tuned (its /even classes) and the row
-#      again (unchanged, where the loads keep their classes apart), the row's own shape (`--shape mixtral-8x7b`, Zipf-routed) retuned
-#      with the tuner's new candidates (Gluon, TMA stores), the row again on that table, then (where the card holds
-#      it: an H200) the Mixtral step against transformers on it. Session 49 saw on an H100 that the Mixtral classes
-#      tuned on balanced loads cost the Zipf row 6-7 points (84%/77% -> 79%/70%): the classes' loads matter.
+#   R: item 3's row on the table as committed; the row's own shape (`--shape mixtral-8x7b`, Zipf-routed) retuned with
+#      the tuner's new candidates (Gluon, TMA stores) and the row again; the balanced Mixtral config tuned (its /even
+#      classes since 778cd5f) and the row again (unchanged where the loads keep their classes apart); then, where the
+#      card holds it (an H200), the Mixtral step against transformers. Session 49 saw on an H100 that the Mixtral
+#      classes tuned on balanced loads cost the Zipf row 5-7 points (84%/77% -> 79%/70%) when they shared its keys.
 # Copy the card's table from $OUT over disagmoe/kernels/tuned/ before the next call; commit a table only with its step.
 set -uo pipefail
 mkdir -p "$OUT"
