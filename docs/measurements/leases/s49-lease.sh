@@ -66,7 +66,7 @@ R)
   experts experts-retuned
   tune h200-mixtral-8x7b tune-balanced 150  # the /even classes since 778cd5f: the Zipf row's stay
   experts experts-after-balanced
-  case "$card" in *H200*) row h200-mixtral-8x7b mixtral-hf-loads-tiles ;; esac
+  case "$card${SKIP_STEP:-}" in *H200) row h200-mixtral-8x7b mixtral-hf-loads-tiles ;; esac  # SKIP_STEP=1: not
   grep -E "compiling|ran [0-9]+ of|replaces| best " "$OUT/tune-zipf.txt" "$OUT/tune-balanced.txt" | cut -c1-200
   grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" "$OUT/experts-after-balanced.txt" \
     | cut -c1-170
