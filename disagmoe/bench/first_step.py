@@ -56,6 +56,7 @@ class _Probe:
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None]) -> None:
         from disagmoe.data import TokenDataset, load_splits
+        from disagmoe.kernels.tile_configs import loads_of_routing, set_expert_loads
         from disagmoe.model.experts import check_backend_device
         from disagmoe.model.init import materialise
         from disagmoe.model.transformer import MoETransformer
@@ -74,6 +75,7 @@ class _Probe:
             model = MoETransformer(self.model_cfg, experts_backend=cfg.experts_backend)
         self.model = materialise(model, self.device, cfg.seed)
         self.model.set_routing(cfg.routing)
+        set_expert_loads(loads_of_routing(cfg.routing))  # the expert tiles tuned for its loads, as the trainer's
         log(f"{sum(p.numel() for p in self.model.parameters()):,} parameters on {self.device}, seed {cfg.seed}, "
             f"batches 1 and 2 of data seed {cfg.data_seed}")
 

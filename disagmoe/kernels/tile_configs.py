@@ -17,8 +17,9 @@ its rows Zipf-skewed) or `even` (`routing: balanced`, every expert its mean rows
 `<class>/even`). The winners differ: on an H100 (session 49) the Mixtral classes tuned on even loads moved two
 launches to the library's grouped GEMM, which Zipf-skewed loads slow, and cost `bench experts`' Zipf-routed
 mixtral-8x7b row 5 points of its forward and 7 of its fwd+bwd. A process launches for the loads `set_expert_loads`
-says (its run's routing, as the trainer and every rank set it; `expert_loads` for a block of launches), reading a
-class's other loads' entry where its own was never tuned.
+says (its run's routing, as the trainer and every rank set it; `launching_for` for a block of launches), reading a
+class's other loads' entry where its own was never tuned in that table (a GPU's own table is read whole before
+another's of its architecture).
 """
 
 from __future__ import annotations
@@ -287,19 +288,22 @@ def clear_cache() -> None:
 def tuned(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
           arch: str | None = None, loads: str | None = None) -> TileConfig | None:
     """The tuned config of this shape class on this GPU (or, where this class was not tuned here,
-    on a GPU of its `architecture` `arch`: `table_slugs`) for `loads` (default: `expert_loads()`), else for the other
-    loads (module docstring); None when none was tuned."""
+    on a GPU of its `architecture` `arch`: `table_slugs`), each table's entry for `loads` (default: `expert_loads()`)
+    before its entry for the other loads (module docstring); None when none was tuned. A table is read whole before
+    the next: a GPU's own tiles for either loads win over another GPU's (so keying the classes by their loads
+    changed no run's tiles)."""
     wanted = _check_loads(loads or _Loads.current)
     keys = [shape_class(role, k, n, rows, experts, each) for each in sorted(LOADS, key=lambda each: each != wanted)]
-    return next((config for key in keys for slug in table_slugs(device_name, arch)
+    return next((config for slug in table_slugs(device_name, arch) for key in keys
                  if (config := _tuned_table(slug).get(key)) is not None), None)
 
 
 def untuned_classes(dims: dict[str, tuple[int, int]], rows: int, experts: int, device_name: str,
-                    arch: str | None = None, loads: str = "routed") -> list[str]:
+                    arch: str | None = None, loads: str | None = None) -> list[str]:
     """The shape classes for `loads` of the launches `dims` names (role -> (K, N), as `moe_ffn.FFNTiles.gemm_dims`
     gives them) over `rows` routed rows and `experts` experts that no table this GPU reads has tuned for either
-    loads (`tuned`): the launches that run the heuristic tiles, in `dims`' order."""
+    loads (`tuned`; default: `expert_loads()`): the launches that run the heuristic tiles, in `dims`' order."""
+    loads = _check_loads(loads or _Loads.current)
     return [shape_class(role, k, n, rows, experts, loads) for role, (k, n) in dims.items()
             if tuned(role, k, n, rows, experts, device_name, arch, loads) is None]
 

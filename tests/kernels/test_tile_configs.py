@@ -92,9 +92,9 @@ def test_untuned_classes_names_the_launches_no_table_this_gpu_reads_has_tuned(tm
 
 
 def test_a_class_is_tuned_for_its_loads_and_launches_read_the_processs_loads_first(tmp_path, monkeypatch):
-    """Even loads (`routing: balanced`) key `<class>/even`, routed ones the plain class; a launch reads the entry of
-    the process's loads (`set_expert_loads`, `launching_for`), on any table of its architecture, before the other
-    loads' entry, and the heuristic only where neither was tuned."""
+    """Even loads (`routing: balanced`) key `<class>/even`, routed ones the plain class; a launch reads, table by table
+    (the GPU's own first, then its architecture's), the entry of the process's loads (`set_expert_loads`,
+    `launching_for`) before the other loads' entry, and the heuristic only where no table tuned either."""
     assert tc.shape_class("down", 1536, 4096, 32768, 16, "even") == "down/k1536/n4096/m2048/even"
     assert tc.shape_class("down", 1536, 4096, 32768, 16, "routed") == "down/k1536/n4096/m2048"
     with pytest.raises(ValueError, match="choose routed or even"):
@@ -105,9 +105,11 @@ def test_a_class_is_tuned_for_its_loads_and_launches_read_the_processs_loads_fir
     routed, even, sibling_even = (tc.TileConfig(block_m=m, block_n=32, block_k=16) for m in (16, 32, 64))
     arch = tc.architecture((9, 0), 132)
     own = {"entries": {tc.shape_class("gate_up", 64, 32, 400, 4): routed.to_json(),
+                       tc.shape_class("gate_up", 64, 32, 400, 4, "even"): even.to_json(),
                        tc.shape_class("down", 32, 64, 400, 4): routed.to_json()}, "architecture": arch}
-    sibling = {"entries": {tc.shape_class("down", 32, 64, 400, 4, "even"): sibling_even.to_json(),
-                           tc.shape_class("gate_up", 64, 32, 400, 4, "even"): even.to_json()}, "architecture": arch}
+    sibling = {"entries": {tc.shape_class(role, k, n, 400, 4, "even"): sibling_even.to_json()
+                           for role, k, n in (("gate_up", 64, 32), ("down", 32, 64), ("wgrad_w2", 32, 64))},
+               "architecture": arch}
     (tmp_path / "test-gpu.json").write_text(json.dumps(own))
     (tmp_path / "other-gpu.json").write_text(json.dumps(sibling))
     monkeypatch.setattr(tc, "TUNED_DIR", tmp_path)
@@ -116,16 +118,20 @@ def test_a_class_is_tuned_for_its_loads_and_launches_read_the_processs_loads_fir
     try:
         tc.set_expert_loads("routed")
         assert tc.lookup("gate_up", 64, 32, 400, 4, "Test GPU", arch=arch) == routed
+        assert tc.lookup("wgrad_w2", 32, 64, 400, 4, "Test GPU", arch=arch) == sibling_even  # only the sibling's
         with tc.launching_for("even"):
             assert tc.expert_loads() == "even"
-            assert tc.lookup("gate_up", 64, 32, 400, 4, "Test GPU", arch=arch) == even  # the sibling's even entry
-            assert tc.lookup("down", 32, 64, 400, 4, "Test GPU", arch=arch) == sibling_even
-            assert tc.lookup("gate_up", 64, 32, 400, 4, "Test GPU") == routed  # no sibling read: the other loads'
+            assert tc.lookup("gate_up", 64, 32, 400, 4, "Test GPU", arch=arch) == even
+            # its own table's routed entry before the sibling's even one: a GPU's own tiles win
+            assert tc.lookup("down", 32, 64, 400, 4, "Test GPU", arch=arch) == routed
+            assert tc.lookup("wgrad_w2", 32, 64, 400, 4, "Test GPU", arch=arch) == sibling_even
             assert tc.tuned("gate_up", 64, 32, 400, 4, "Test GPU", arch, loads="routed") == routed  # told, not read
             assert tc.lookup("gate_up", 64, 32, 4000, 4, "Test GPU", arch=arch) == tc.heuristic("gate_up")
+            dims = {"gate_up": (64, 32), "wgrad_w2": (32, 64), "down_dgrad": (32, 64)}
+            assert tc.untuned_classes(dims, 400, 4, "Test GPU", arch) == ["down_dgrad/k32/n64/m128/even"]
         assert tc.expert_loads() == "routed"  # restored after the block
-        dims = {"gate_up": (64, 32), "wgrad_w2": (32, 64)}
-        assert tc.untuned_classes(dims, 400, 4, "Test GPU", arch, "even") == ["wgrad_w2/k32/n64/m128/even"]
+        assert tc.untuned_classes(dims, 400, 4, "Test GPU", arch, "even") == ["down_dgrad/k32/n64/m128/even"]
+        assert tc.untuned_classes(dims, 400, 4, "Test GPU") == ["wgrad_w2/k32/n64/m128", "down_dgrad/k32/n64/m128"]
     finally:
         tc.set_expert_loads(before)
         tc.clear_cache()

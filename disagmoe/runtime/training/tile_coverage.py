@@ -33,7 +33,8 @@ def untuned_tiles_note(cfg: TrainConfig, model_cfg: ModelConfig, device_name: st
     return (f"expert tiles: {len(missing)} of the {len(dims)} expert GEMM classes this run launches were never tuned "
             f"on {device_name} or a GPU of its architecture ({', '.join(missing)}): they launch the heuristic "
             f"tiles. `disagmoe bench tune-experts -c CONFIG{roles}` with this run's overrides (micro_batches="
-            f"{cfg.micro_batches}) tunes exactly them into this GPU's table (minutes)")
+            f"{cfg.micro_batches}{' routing=balanced' if cfg.routing == 'balanced' else ''}) tunes exactly them into "
+            "this GPU's table (minutes)")
 
 
 def launch_rows(cfg: TrainConfig, model_cfg: ModelConfig) -> int:

@@ -55,6 +55,10 @@ def test_a_run_whose_classes_no_table_holds_is_told_which_and_how_to_tune_them(t
     assert note.startswith("expert tiles: 2 of the 6")
     assert "(wgrad_w2/k2048/n7168/m2048, wgrad_w13/k7168/n4096/m2048)" in note
     assert "`disagmoe bench tune-experts -c CONFIG --role wgrad_w2 --role wgrad_w13` with" in note  # only those
+    balanced, _ = _deepseek("routing=balanced")  # its even loads' classes, and the override that tunes them
+    note = untuned_tiles_note(balanced, model, "NVIDIA H200", ARCH)
+    assert "(wgrad_w2/k2048/n7168/m2048/even, wgrad_w13/k7168/n4096/m2048/even)" in note
+    assert "with this run's overrides (micro_batches=4 routing=balanced)" in note
 
 
 @pytest.mark.parametrize("config, overrides", [("h200-deepseek-v3.yaml", []), ("h200-mixtral-8x7b.yaml", []),
