@@ -267,7 +267,8 @@ def tune_experts(
     The table is keyed by (GEMM, K, N, mean rows per expert rounded up to a power of 2, loads); a run
     whose class was never tuned launches the heuristic tiles (a single run names those classes as it
     starts). Loads: a `routing=balanced` config's classes are tuned on even rows (`/even` entries), the
-    `--shape`s and learned routing on Zipf-skewed ones; a run reads its own loads' tiles first.
+    `--shape`s and learned routing on Zipf-skewed ones; a run reads each table's tiles for its own loads
+    before those for the other.
     `--config CFG` tunes exactly the classes that run launches:
     `disagmoe bench tune-experts -c configs/h200x2-qwen3-30b.yaml micro_batches=2`;
     `--role wgrad_w13 --role wgrad_w2` only the weight gradients. Each class is saved as soon as it is
