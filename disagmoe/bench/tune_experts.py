@@ -23,11 +23,12 @@ import torch
 
 from disagmoe.bench.experts import ExpertShape
 from disagmoe.bench.timing import environment, median_ms
+from disagmoe.bench.tune_block import block_check, block_timer
 from disagmoe.bench.tune_compile import compile_jobs, precompile, worker_count
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.tile_configs import (FP8_ROLES, ROLES, TUNED_DIR, TileConfig, clear_cache, device_architecture,
-                                          gpu_slug, heuristic, shape_class, tma_store_fits)
+                                          gpu_slug, heuristic, launching_for, shape_class, tma_store_fits)
 
 # (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm[, flatten]); block_m tiles
 # the rows (for the weight gradients: the reduction over rows), block_n the output columns, block_k
@@ -344,9 +345,9 @@ def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[s
                progress: Callable[[str, int, int], None] = lambda label, done, total: None) -> dict:
     """One shape's results, keyed by shape class (`tile_configs.shape_class` of each role's dims,
     `rows`, `experts` and the `loads` its launches met): the best config of `default(role)` and
-    `configs(role)` (`search`), its time, rate and the default's time: what `write_tuned` saves. `tuned` is handed each class's result
-    as soon as its search ends (`{class: result}`), so a caller can save it before the next role starts;
-    `progress` (shape and role, candidates done, in all) as each candidate ends."""
+    `configs(role)` (`search`), its time, rate and the default's time: what `write_tuned` saves. `tuned` is handed
+    each class's result as soon as its search ends (`{class: result}`), so a caller can save it before the next role
+    starts; `progress` (shape and role, candidates done, in all) as each candidate ends."""
     results = {}
     for role, launch in launches.items():
         best_ms, best, default_ms = search(launch, default(role), configs(role), time_ms, log, role,
@@ -383,18 +384,29 @@ def shape_launches(shape: ExpertShape, precision: str, roles: list[str] | None,
     return {role: launch for role, launch in launches.items() if not roles or role in roles}
 
 
+def table_tiles(shape: ExpertShape, device: torch.device) -> FFNTiles:
+    """The tiles the tables give `shape`'s launches now, for its loads (what a run launched before a tune)."""
+    experts, hidden, ffn, _ = shape.dims
+    clear_cache()
+    with launching_for("even" if shape.balanced else "routed"):
+        return FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
+
+
 def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str], None] = print,
          precision: str = "bf16", roles: list[str] | None = None,
          save: Callable[[dict], object] = lambda record: None,
          progress: Callable[[str, int, int], None] = lambda label, done, total: None,
-         compile_workers: int | None = 0) -> dict:
+         compile_workers: int | None = 0, block_checks: bool = True) -> dict:
     """Best tile per (role, shape class) with its time and the default's (the heuristic, or
     `Fp8Tiles`' field), for every shape (fp8: the FP8 FFN's roles), only `roles` where given (the
     other classes' entries stay as the table has them). `save` is handed a record of each class alone
     as soon as it is tuned (`write_tuned` merges it), so an interrupted search keeps what it measured; `progress`
     (shape and role, candidates done, in all) as each candidate's check and timing end. `compile_workers`
     processes (None: `tune_compile.worker_count`'s choice; 0: none) first compile each shape's candidates into
-    Triton's cache, so the search's first launches load them instead of compiling one after another."""
+    Triton's cache, so the search's first launches load them instead of compiling one after another.
+    `block_checks`: once all six bf16 GEMMs of a shape whose weight gradients run unpaired are tuned, its whole block
+    is timed on the new tiles against the table's before (`tune_block`), and a GEMM whose new tile slows the block
+    keeps (and is saved with) its old one."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
     check_roles(roles, precision)
@@ -416,6 +428,8 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
             allocated = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         launches = shape_launches(shape, precision, roles, device)
+        checked = block_checks and precision == "bf16" and set(launches) == set(ROLES) and not shape.paired_wgrads
+        before = table_tiles(shape, device) if checked else None  # before the search saves its first class
         if precision == "fp8":
             dims = {role: (hidden, ffn) for role in launches}
             flops = {role: 3 * gemm_flops for role in launches}  # two launches: 2F + F columns
@@ -433,10 +447,25 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
                 label = f"{name} compiling ({workers} processes)"
                 precompile(functools.partial(shape_launches, shape, precision, roles), jobs, workers,
                            progress=lambda done, total: progress(label, done, total), log=log)
-        results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name,
-                                  "even" if shape.balanced else "routed", time_ms, log,
-                                  tuned=lambda one: save({"environment": env, "architecture": arch, "results": one}),
-                                  progress=progress))
+        loads = "even" if shape.balanced else "routed"
+        shape_results = tune_roles(launches, dims, flops, shape.pairs, experts, name, loads, time_ms, log,
+                                   tuned=lambda one: save({"environment": env, "architecture": arch, "results": one}),
+                                   progress=progress)
+        if checked:
+            keys = {role: shape_class(role, *dims[role], shape.pairs, experts, loads) for role in launches}
+            after = FFNTiles(**{role: TileConfig(**shape_results[keys[role]]["config"]) for role in launches})
+            verdict = block_check(before, after, block_timer(shape, device, warmup, iters))
+            for line in verdict.lines:
+                log(line)
+            for role in verdict.kept_old:  # saved again with the old tile, timed on its own launch
+                old, winner, launch = getattr(before, role), shape_results[keys[role]], launches[role]
+                ms = time_ms(lambda: launch(old))
+                kept = {"config": old.to_json(), "ms": ms, "tflops": flops[role] / ms / 1e9,
+                        "heuristic_ms": winner["heuristic_ms"], "shape": name,
+                        "block_check": f"kept over the search's {winner['ms']:.3f} ms tile, which slowed the block"}
+                shape_results[keys[role]] = kept
+                save({"environment": env, "architecture": arch, "results": {keys[role]: kept}})
+        results.update(shape_results)
         del launches
         torch.cuda.empty_cache()
     return {"environment": env, "architecture": arch, "results": results}

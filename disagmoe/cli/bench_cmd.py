@@ -261,6 +261,11 @@ def tune_experts(
         help="processes that first compile every candidate kernel into Triton's cache, so the search loads them "
              "instead of compiling one after another (default: one a CPU core but this one's, at most 8, as many "
              "as the GPU's free memory holds; 0: compile each as it is first timed)")] = None,
+    block_check: Annotated[bool, typer.Option(
+        help="once a shape's six bf16 GEMMs are tuned, time its whole expert block (forward and backward, weight "
+             "gradients into fp32 main gradients) on the new tiles and on the table's before: a GEMM whose new "
+             "tile slows the block by over 1% keeps its old one (not with --role, or where a run pairs its weight "
+             "gradients)")] = True,
 ) -> None:
     """Autotune the expert FFN's grouped GEMM tiles per shape class on this GPU and save them.
 
@@ -295,7 +300,7 @@ def tune_experts(
     with TuneProgress() as progress:
         record = tuner.tune(shapes, warmup, iters, log=progress.log, precision=precision, roles=role,
                             save=lambda one: tuner.write_tuned(one, out, progress.log),  # each class as tuned
-                            progress=progress.update, compile_workers=compile_workers)
+                            progress=progress.update, compile_workers=compile_workers, block_checks=block_check)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
 

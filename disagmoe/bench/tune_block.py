@@ -1,0 +1,73 @@
+"""`bench tune-experts`' block check: a shape's new tiles against the table's, timed as the whole expert block.
+
+The search ranks each GEMM's tiles launch by launch, each repeated alone. The block runs the six GEMMs one after
+another with the permute and combine between them, and a tile can rank otherwise there: in session 49 an H100's
+Zipf-routed Mixtral retune moved the down data gradient from the library's grouped GEMM to our Triton kernel with
+its result stored by TMA (3.449 ms against 3.466 alone), and `bench experts`' fwd+bwd on the new table ran 5%
+slower than on the one it replaced (585 against 613 TFLOP/s, same machine, same run). So once a shape's GEMMs are
+tuned, `block_check` times the block (`bench experts`' triton block, forward and backward, weight gradients into
+fp32 main gradients) on the new tiles and on those the table gave before; where the new ones are slower by more
+than `MARGIN`, each GEMM whose tile changed is given its old tile back in turn, kept where that makes the block
+faster by more than `MARGIN`, and all of them where no single one does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from disagmoe.bench.experts import ExpertShape, make_block, make_inputs, time_block
+from disagmoe.kernels.moe_ffn import FFNTiles
+from disagmoe.kernels.tile_configs import ROLES
+
+# What a block timing must gain to count: about the spread between two timings of one unchanged kernel in one call
+# (session 49: `bench experts`' grouped_mm Mixtral fwd+bwd at 436 and 432 TFLOP/s, 0.9% apart)
+MARGIN = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockVerdict:
+    """The tiles a shape keeps (`tiles`), the GEMMs given their old tile back (`kept_old`), and a line each for
+    the log."""
+
+    tiles: FFNTiles
+    kept_old: tuple[str, ...]
+    lines: tuple[str, ...]
+
+
+def block_check(before: FFNTiles, after: FFNTiles, block_ms: Callable[[FFNTiles], float],
+                margin: float = MARGIN) -> BlockVerdict:
+    """The tiles of `after` (the search's winners) the block keeps against `before` (the table's), timed by
+    `block_ms` (module docstring)."""
+    changed = [role for role in ROLES if getattr(before, role) != getattr(after, role)]
+    if not changed:
+        return BlockVerdict(after, (), ("  block check: the search kept every tile the table had",))
+    new_ms, old_ms = block_ms(after), block_ms(before)
+    lines = [f"  block check: fwd+bwd {new_ms:.3f} ms on the new tiles, {old_ms:.3f} ms on the table's "
+             f"({', '.join(changed)} changed)"]
+    if new_ms <= old_ms * (1 + margin):
+        return BlockVerdict(after, (), (*lines, "  block check: the new tiles stay"))
+    tiles, best_ms, kept = after, new_ms, []
+    for role in changed:
+        trial = dataclasses.replace(tiles, **{role: getattr(before, role)})
+        trial_ms = block_ms(trial)
+        lines.append(f"  block check: {role}'s old tile back: {trial_ms:.3f} ms")
+        if trial_ms < best_ms * (1 - margin):
+            tiles, best_ms, kept = trial, trial_ms, [*kept, role]
+    if best_ms > old_ms * (1 + margin):  # no single GEMM explains it: the table's tiles, all of them
+        tiles, best_ms, kept = before, old_ms, changed
+    lines.append(f"  block check: the old tile kept for {', '.join(kept) or 'none'} ({best_ms:.3f} ms)")
+    return BlockVerdict(tiles, tuple(kept), tuple(lines))
+
+
+def block_timer(shape: ExpertShape, device: torch.device, warmup: int,
+                iters: int) -> Callable[[FFNTiles], float]:
+    """Median ms of the shape's triton expert block forward and backward at given tiles, weight gradients added
+    into fp32 main gradients, on inputs made once (`bench experts --main-grads`' fwd+bwd row)."""
+    inputs = make_inputs(shape, device)
+    dy = torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
+                     generator=torch.Generator(device=device).manual_seed(1))
+    return lambda tiles: time_block(make_block("triton", tiles), inputs, dy, "fwd+bwd", warmup, iters,
+                                    main_grads=True)
