@@ -13,6 +13,9 @@
 #      classes since 778cd5f) and the row again (unchanged where the loads keep their classes apart); then, where the
 #      card holds it (an H200), the Mixtral step against transformers. Session 49 saw on an H100 that the Mixtral
 #      classes tuned on balanced loads cost the Zipf row 5-7 points (84%/77% -> 79%/70%) when they shared its keys.
+#   N: the next lease's first call (session 49 built the block check after its last machine): the block check's GPU
+#      test, then call R's first half (the row, the Zipf retune now checked as a block, the row again): the reading is
+#      the "block check" lines and whether the retuned row is no slower than the committed one.
 # Copy the card's table from $OUT over disagmoe/kernels/tuned/ before the next call; commit a table only with its step.
 set -uo pipefail
 mkdir -p "$OUT"
@@ -36,7 +39,7 @@ experts() {  # $1: record name
     --backend grouped_mm --backend triton --backend triton:tma-store --markdown --out "$OUT/$1.json" \
     > "$OUT/$1.txt" 2>&1; stamp "$1" $?
 }
-case "${1:?X, Y, Z or R}" in
+case "${1:?X, Y, Z, R or N}" in
 X)
   t0=$(date +%s); timeout 100 python3 -m pytest -q -m gpu tests/kernels/test_moe_ffn.py tests/kernels/test_fp8.py \
     -k "tma_stores or tma_row or written_by_tma or quantising_swiglu_epilogue_writes" \
@@ -71,5 +74,15 @@ R)
   grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" "$OUT/experts-after-balanced.txt" \
     | cut -c1-170
   [ -f "$OUT/mixtral-hf-loads-tiles.log" ] && grep -E "^single|^hf-" "$OUT/mixtral-hf-loads-tiles.log" | cut -c1-160 ;;
+N)
+  t0=$(date +%s); timeout 120 python3 -m pytest -q -m gpu tests/bench/test_tune_block.py > "$OUT/gpu-tests-block.txt" 2>&1
+  stamp gpu-tests $?
+  experts experts-committed
+  t0=$(date +%s); timeout 200 python3 -m disagmoe bench tune-experts --shape mixtral-8x7b > "$OUT/tune-zipf.txt" 2>&1
+  stamp tune-zipf $?; cp "disagmoe/kernels/tuned/$table" "$OUT/"
+  experts experts-retuned
+  tail -2 "$OUT/gpu-tests-block.txt"
+  grep -E "ran [0-9]+ of|block check| best " "$OUT/tune-zipf.txt" | cut -c1-200
+  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" | cut -c1-170 ;;
 esac
 cat "$OUT/times.txt"
