@@ -15,7 +15,9 @@
 #      classes tuned on balanced loads cost the Zipf row 5-7 points (84%/77% -> 79%/70%) when they shared its keys.
 #   N: the next lease's first call (session 49 built the block check after its last machine): the block check's GPU
 #      test, then call R's first half (the row, the Zipf retune now checked as a block, the row again): the reading is
-#      the "block check" lines and whether the retuned row is no slower than the committed one.
+#      the "block check" lines and whether the retuned row is no slower than the committed one; then the block's
+#      launches profiled on the retuned table, every launch by TMA, and the committed table
+#      (docs/measurements/block-launches-probe-s49.py): which launch loses time in the block.
 # Copy the card's table from $OUT over disagmoe/kernels/tuned/ before the next call; commit a table only with its step.
 set -uo pipefail
 mkdir -p "$OUT"
@@ -75,14 +77,18 @@ R)
     | cut -c1-170
   [ -f "$OUT/mixtral-hf-loads-tiles.log" ] && grep -E "^single|^hf-" "$OUT/mixtral-hf-loads-tiles.log" | cut -c1-160 ;;
 N)
+  cp "disagmoe/kernels/tuned/$table" /tmp/committed-table.json
   t0=$(date +%s); timeout 120 python3 -m pytest -q -m gpu tests/bench/test_tune_block.py > "$OUT/gpu-tests-block.txt" 2>&1
   stamp gpu-tests $?
   experts experts-committed
   t0=$(date +%s); timeout 200 python3 -m disagmoe bench tune-experts --shape mixtral-8x7b > "$OUT/tune-zipf.txt" 2>&1
   stamp tune-zipf $?; cp "disagmoe/kernels/tuned/$table" "$OUT/"
   experts experts-retuned
+  t0=$(date +%s); timeout 120 python3 docs/measurements/block-launches-probe-s49.py /tmp/committed-table.json \
+    > "$OUT/block-launches.txt" 2>&1; stamp probe $?  # table (retuned), tma-store, and the committed one
   tail -2 "$OUT/gpu-tests-block.txt"
   grep -E "ran [0-9]+ of|block check| best " "$OUT/tune-zipf.txt" | cut -c1-200
-  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" | cut -c1-170 ;;
+  grep -hE "^\| mixtral" "$OUT/experts-committed.txt" "$OUT/experts-retuned.txt" | cut -c1-170
+  tail -40 "$OUT/block-launches.txt" | cut -c1-200 ;;
 esac
 cat "$OUT/times.txt"
