@@ -30,7 +30,8 @@ dy = torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
 table = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
 sets = {"table": table, "tma-store": table.on_tma_store()}
 for path in map(Path, sys.argv[1:]):
-    entries = json.loads(path.read_text())["entries"]
+    table_json = json.loads(path.read_text())  # a tuned table (entries), or a tune's record (results)
+    entries = table_json.get("entries") or {key: r["config"] for key, r in table_json["results"].items()}
     dims = FFNTiles.gemm_dims(hidden, ffn)
     sets[path.stem] = FFNTiles(**{role: TileConfig(**entries[shape_class(role, *dims[role], shape.pairs, experts)])
                                   if shape_class(role, *dims[role], shape.pairs, experts) in entries
@@ -44,7 +45,7 @@ def launches(tiles: FFNTiles) -> tuple[float, list[tuple[str, float]]]:
     leaves = _grad_inputs(inputs, main_grads=True)
     _forward_backward(block, leaves, dy)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _forward_backward(block, leaves, dy)
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
