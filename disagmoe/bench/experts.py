@@ -175,6 +175,11 @@ class ExpertShape:
     paired_wgrads: bool = False
 
     @property
+    def loads(self) -> str:
+        """The loads its launches meet, as the tuned tiles are keyed (`tile_configs.LOADS`)."""
+        return "even" if self.balanced else "routed"
+
+    @property
     def dims(self) -> tuple[int, int, int, int]:
         """(local experts, hidden, expert FFN size, top-k) from the model preset."""
         m = load_model(self.model)
@@ -387,6 +392,13 @@ def reference_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
 
 # --- inputs, checks, timing --------------------------------------------------------------------
 
+def make_output_grad(inputs) -> torch.Tensor:
+    """dy_TH for the block's backward over `make_inputs`' tokens: random bf16, its own fixed seed."""
+    x = inputs[0]
+    return torch.randn(x.shape, device=x.device, dtype=torch.bfloat16,
+                       generator=torch.Generator(device=x.device).manual_seed(1))
+
+
 def make_inputs(shape: ExpertShape, device: torch.device, seed: int = 0):
     """(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH) in bf16, random (never zeros)."""
     experts, hidden, ffn, top_k = shape.dims
@@ -511,19 +523,17 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     record["shapes"] = []
     for name in shape_names:
         shape = SHAPES[name]
-        shape_loads = "even" if shape.balanced else "routed"
-        with launching_for(shape_loads):  # the tiles tuned for its loads (`tile_configs.LOADS`)
+        with launching_for(shape.loads):  # the tiles tuned for its loads (`tile_configs.LOADS`)
             experts, hidden, ffn, top_k = shape.dims
             inputs = make_inputs(shape, device)
-            dy = torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
-                             generator=torch.Generator(device=device).manual_seed(1))
+            dy = make_output_grad(inputs)
             loads = torch.bincount(inputs[1].reshape(-1), minlength=experts).float()
             tiles = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
             fp8_tiles = {b: fp8_tiles_for(b, Fp8Tiles.for_shape(shape.pairs, experts, hidden, ffn, device))
                          for b in backends if is_fp8(b)}
             entry = {"name": name, "experts": experts, "hidden": hidden, "ffn": ffn, "top_k": top_k,
                      "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
-                     "loads": shape_loads,
+                     "loads": shape.loads,
                      "tiles": dataclasses.asdict(tiles),
                      "fp8_tiles": {b: dataclasses.asdict(t) for b, t in fp8_tiles.items()},
                      "fp8_kernels": {b: fp8_kernel_paths(b, hidden, ffn, device) for b in fp8_tiles},

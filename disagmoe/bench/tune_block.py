@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from disagmoe.bench.experts import ExpertShape, make_block, make_inputs, time_block
+from disagmoe.bench.experts import ExpertShape, make_block, make_inputs, make_output_grad, time_block
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.tile_configs import ROLES
 
@@ -77,8 +77,7 @@ def block_timer(shape: ExpertShape, device: torch.device, warmup: int,
     def block_ms(tiles: FFNTiles) -> float:
         if not made:
             inputs = make_inputs(shape, device)
-            made.append((inputs, torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
-                                             generator=torch.Generator(device=device).manual_seed(1))))
+            made.append((inputs, make_output_grad(inputs)))
         inputs, dy = made[0]
         return time_block(make_block("triton", tiles), inputs, dy, "fwd+bwd", warmup, iters, main_grads=True)
     return block_ms

@@ -389,7 +389,7 @@ def table_tiles(shape: ExpertShape, device: torch.device) -> FFNTiles:
     search (after an earlier shape's of the same tune, where they share classes: the last shape tuned wins)."""
     experts, hidden, ffn, _ = shape.dims
     clear_cache()
-    with launching_for("even" if shape.balanced else "routed"):
+    with launching_for(shape.loads):
         return FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
 
 
@@ -448,12 +448,11 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
                 label = f"{name} compiling ({workers} processes)"
                 precompile(functools.partial(shape_launches, shape, precision, roles), jobs, workers,
                            progress=lambda done, total: progress(label, done, total), log=log)
-        loads = "even" if shape.balanced else "routed"
-        shape_results = tune_roles(launches, dims, flops, shape.pairs, experts, name, loads, time_ms, log,
+        shape_results = tune_roles(launches, dims, flops, shape.pairs, experts, name, shape.loads, time_ms, log,
                                    tuned=lambda one: save({"environment": env, "architecture": arch, "results": one}),
                                    progress=progress)
         if checked:
-            keys = {role: shape_class(role, *dims[role], shape.pairs, experts, loads) for role in launches}
+            keys = {role: shape_class(role, *dims[role], shape.pairs, experts, shape.loads) for role in launches}
             after = FFNTiles(**{role: TileConfig(**shape_results[keys[role]]["config"]) for role in launches})
             try:
                 verdict = block_check(before, after, block_timer(shape, device, warmup, iters))

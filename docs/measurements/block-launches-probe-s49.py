@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from disagmoe.bench.experts import SHAPES, _forward_backward, _grad_inputs, make_block, make_inputs, time_block
+from disagmoe.bench.experts import (SHAPES, _forward_backward, _grad_inputs, make_block, make_inputs, make_output_grad,
+                                    time_block)
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.tile_configs import ROLES, TileConfig, shape_class
 
@@ -25,16 +26,15 @@ device = torch.device("cuda")
 shape = SHAPES["mixtral-8x7b"]
 experts, hidden, ffn, _ = shape.dims
 inputs = make_inputs(shape, device)
-dy = torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
-                 generator=torch.Generator(device=device).manual_seed(1))
+dy = make_output_grad(inputs)
 table = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
 sets = {"table": table, "tma-store": table.on_tma_store()}
 for path in map(Path, sys.argv[1:]):
     table_json = json.loads(path.read_text())  # a tuned table (entries), or a tune's record (results)
     entries = table_json.get("entries") or {key: r["config"] for key, r in table_json["results"].items()}
     dims = FFNTiles.gemm_dims(hidden, ffn)
-    sets[path.stem] = FFNTiles(**{role: TileConfig(**entries[shape_class(role, *dims[role], shape.pairs, experts)])
-                                  if shape_class(role, *dims[role], shape.pairs, experts) in entries
+    keys = {role: shape_class(role, *dims[role], shape.pairs, experts) for role in ROLES}
+    sets[path.stem] = FFNTiles(**{role: TileConfig(**entries[keys[role]]) if keys[role] in entries
                                   else getattr(table, role) for role in ROLES})
 
 
