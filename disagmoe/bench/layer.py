@@ -59,6 +59,7 @@ from disagmoe.comm.symmetric import align
 from disagmoe.kernels import fused_return as fr, grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.signal import check_status, new_status
+from disagmoe.kernels.tile_configs import launching_for
 from disagmoe.runtime.stages.pair_return import combine_programs as combine_programs_of
 
 PASSES = ("fwd", "bwd")
@@ -484,6 +485,13 @@ class Options:
     order: str = "expert"  # the fused path's row order: "expert" (as training) or "segment" (segment-major groups)
 
 
+def expert_tiles(shape: LayerShape, device: torch.device) -> FFNTiles:
+    """GPU 1's tiles: the classes tuned on even loads (`tile_configs.LOADS`), since `make_inputs`' uniformly random
+    top-k gives every expert close to the mean of rows, whatever the process's own loads."""
+    with launching_for("even"):
+        return FFNTiles.for_shape(shape.pairs, shape.experts, shape.hidden, shape.ffn, device)
+
+
 def _expert_specs(shape: LayerShape) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """What rank 0 sends rank 1 once: w13, w2, x rows, d rows, pairs, offsets."""
     E, H, Fs, P = shape.experts, shape.hidden, shape.ffn, shape.pairs
@@ -518,7 +526,7 @@ def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena |
         for tensor in received:
             dist.recv(tensor, 0)
         w13, w2, x_NH, dy_NH, pairs_N, offsets_E = received
-        tiles = FFNTiles.for_shape(shape.pairs, shape.experts, shape.hidden, shape.ffn, dev)
+        tiles = expert_tiles(shape, dev)
         side = ExpertSide(x_NH, dy_NH, pairs_N, offsets_E, w13, w2, K, tiles)
         local_PH = x_NH.new_empty((shape.pairs, shape.hidden))
         counters_S = torch.zeros(fr.num_segments(shape.tokens, seg), dtype=torch.int32, device=dev)

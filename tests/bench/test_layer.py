@@ -37,6 +37,30 @@ def test_shapes_are_the_issue_s_from_the_presets():
         bench.layer_shapes(["qwen3-30b"])
 
 
+def test_the_expert_gpu_reads_the_tiles_tuned_on_even_loads(tmp_path, monkeypatch):
+    """Uniformly random top-k gives every expert close to the mean of rows: GPU 1 launches the `/even` classes
+    (`tile_configs.LOADS`), whatever loads the process launches for otherwise."""
+    from disagmoe.kernels import tile_configs as tc
+    from disagmoe.kernels.moe_ffn import FFNTiles
+
+    routed, even = tc.TileConfig(block_m=16, block_n=32, block_k=16), tc.TileConfig(block_m=32, block_n=32, block_k=16)
+    dims = FFNTiles.gemm_dims(TINY.hidden, TINY.ffn)
+    entries = {tc.shape_class(role, k, n, TINY.pairs, TINY.experts, loads): tile.to_json()
+               for role, (k, n) in dims.items() for loads, tile in (("routed", routed), ("even", even))}
+    (tmp_path / f"{tc.gpu_slug('cpu')}.json").write_text(json.dumps({"entries": entries}))
+    monkeypatch.setattr(tc, "TUNED_DIR", tmp_path)
+    tc.clear_cache()
+    before = tc.expert_loads()
+    try:
+        tc.set_expert_loads("routed")
+        tiles = bench.expert_tiles(TINY, torch.device("cpu"))
+        assert all(getattr(tiles, role).block_m == even.block_m for role in dims)
+        assert tc.expert_loads() == "routed"  # the process's own loads are left as they were
+    finally:
+        tc.set_expert_loads(before)
+        tc.clear_cache()
+
+
 def _fp32(inputs: bench.LayerInputs) -> bench.LayerInputs:
     return bench.LayerInputs(*(t.float() if t.is_floating_point() else t for t in (
         inputs.x_TH, inputs.topk_TK, inputs.weights_TK, inputs.w13_EH2F, inputs.w2_EFH, inputs.dy_TH)))
