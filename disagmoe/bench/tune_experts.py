@@ -405,9 +405,10 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
     (shape and role, candidates done, in all) as each candidate's check and timing end. `compile_workers`
     processes (None: `tune_compile.worker_count`'s choice; 0: none) first compile each shape's candidates into
     Triton's cache, so the search's first launches load them instead of compiling one after another.
-    `block_checks`: once all six bf16 GEMMs of a shape whose weight gradients run unpaired are tuned, its whole block
-    is timed on the new tiles against the table's before (`tune_block`), and a GEMM whose new tile slows the block
-    keeps (and is saved with) its old one."""
+    `block_checks`: once all six bf16 GEMMs of a shape are tuned, its whole block is timed on the new tiles against
+    the table's before (`tune_block`), and a GEMM whose new tile slows the block keeps (and is saved with) its old
+    one; where the run pairs the weight gradients (which the block runs unpaired), only the four row GEMMs are
+    compared so, the weight gradients keeping the tiles their paired search ranked first."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
     check_roles(roles, precision)
@@ -429,7 +430,7 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
             allocated = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         launches = shape_launches(shape, precision, roles, device)
-        checked = block_checks and precision == "bf16" and set(launches) == set(ROLES) and not shape.paired_wgrads
+        checked = block_checks and precision == "bf16" and set(launches) == set(ROLES)
         before = table_tiles(shape, device) if checked else None  # before the search saves its first class
         if precision == "fp8":
             dims = {role: (hidden, ffn) for role in launches}
@@ -454,6 +455,11 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         if checked:
             keys = {role: shape_class(role, *dims[role], shape.pairs, experts, shape.loads) for role in launches}
             after = FFNTiles(**{role: TileConfig(**shape_results[keys[role]]["config"]) for role in launches})
+            if shape.paired_wgrads:  # the block runs them unpaired: the search's paired timings rank their tiles
+                wgrads = {role: getattr(after, role) for role in ROLES if role.startswith("wgrad")}
+                before = dataclasses.replace(before, **wgrads)
+                log("  block check: the weight gradients run paired, so the block compares the row GEMMs' tiles "
+                    "and the weight gradients keep the search's")
             try:
                 verdict = block_check(before, after, block_timer(shape, device, warmup, iters))
             except (torch.cuda.OutOfMemoryError, RuntimeError) as err:  # the search's winners stand unchecked

@@ -264,8 +264,8 @@ def tune_experts(
     block_check: Annotated[bool, typer.Option(
         help="once a shape's six bf16 GEMMs are tuned, time its whole expert block (forward and backward, weight "
              "gradients into fp32 main gradients) on the new tiles and on the table's before: a GEMM whose new "
-             "tile slows the block by over 1% keeps its old one (only where all six GEMMs are tuned, and not "
-             "where a run pairs its weight gradients)")] = True,
+             "tile slows the block by over 1% keeps its old one (only where all six GEMMs are tuned; where a run "
+             "pairs its weight gradients, the four row GEMMs only)")] = True,
 ) -> None:
     """Autotune the expert FFN's grouped GEMM tiles per shape class on this GPU and save them.
 

@@ -118,6 +118,32 @@ def test_the_tuner_saves_the_old_tile_of_a_gemm_the_block_check_kept(monkeypatch
     assert checked == []
 
 
+def test_a_shape_whose_run_pairs_its_weight_gradients_is_checked_on_its_row_gemms_only(monkeypatch):
+    """The block runs the weight gradients unpaired, so for a paired shape (a config of 2+ micro-batches) both sides
+    of the check hold the search's weight-gradient tiles, ranked on paired launches: a slow new wgrad tile in the
+    block is not the check's to undo, a slow new row-GEMM tile is."""
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
+    monkeypatch.setattr(tuner, "device_architecture", lambda device: "sm_90x132")
+    monkeypatch.setattr(tuner, "_hopper", lambda: False)
+    monkeypatch.setattr(tuner, "role_launches", lambda shape, device: {role: lambda tile: tile for role in ROLES})
+    monkeypatch.setattr(tuner, "search", lambda launch, default, configs, time_ms, log, role, progress: (
+        1.0, NEW[role], 2.0))
+    monkeypatch.setattr(tuner, "table_tiles", lambda shape, device: _tiles())
+    block_ms, calls = _timer({"down": 4.0, "wgrad_w2": 9.0})
+    monkeypatch.setattr(tuner, "block_timer", lambda shape, device, warmup, iters: block_ms)
+    monkeypatch.setattr(tuner, "median_ms", lambda fn, warmup, iters: fn(0) and 1.5)
+    lines = []
+    paired = dataclasses.replace(SHAPES["mixtral-8x7b"], paired_wgrads=True)
+    record = tuner.tune([paired], 0, 1, log=lines.append)
+    kept = {key.split("/")[0]: TileConfig(**r["config"]) for key, r in record["results"].items()}
+    assert kept["down"] == heuristic("down") and "block_check" in record["results"]["down/k14336/n4096/m2048"]
+    assert all(kept[role] == NEW[role] for role in ROLES if role != "down")
+    assert all(tiles.wgrad_w2 == NEW["wgrad_w2"] and tiles.wgrad_w13 == NEW["wgrad_w13"] for tiles in calls)
+    assert any("weight gradients run paired" in line for line in lines)
+    assert any(line.startswith("  block check: fwd+bwd") and "wgrad" not in line for line in lines)
+
+
 @pytest.mark.parametrize("flag", ["--no-block-check", "--block-check"])
 def test_the_command_passes_its_block_check_flag(monkeypatch, flag):
     from typer.testing import CliRunner
