@@ -19,17 +19,21 @@ The weight gradients are fresh tensors in the weights' dtype unless `--main-grad
 accumulation: each fwd+bwd then adds them into fp32 main gradients, as a step's micro-batches after its
 first do (our kernels in their epilogues, the torch backends by an add after autograd), so the fp32
 read-modify-write that bounds the weight gradients in training (`bench profile`'s bounds) is timed too.
+Every row says the SM clock it was timed at, beside the ceiling probe's (`clock_lines`): in session 50 one H100
+timed the same Mixtral tiles at 603 TFLOP/s fwd+bwd as its first run and 573-575 in six runs after a tune.
 Legend: T tokens, K experts per token, N = T*K pairs, E local experts, H hidden, F expert FFN size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from disagmoe.bench.gpu_clocks import GpuClockSampler
 from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model.router import balanced_topk
@@ -43,6 +47,8 @@ from disagmoe.kernels.permute import (Fp8RowGradSlot, combine_reference, combine
 from disagmoe.kernels.tile_configs import TileConfig, device_architecture, launching_for, tile_source
 
 ZIPF_EXPONENT = 1.2
+# nvidia-smi's sampling interval while timing: a row's timing lasts a fraction of a second, the ceiling's less
+CLOCK_INTERVAL_MS = 20
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 
@@ -516,49 +522,88 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     device = torch.device("cuda")
     record = {"environment": environment(device), "zipf_exponent": ZIPF_EXPONENT,
               "warmup": warmup, "iters": iters, "loop_iters": loop_iters, "main_grads": main_grads}
-    record["ceiling_tflops"] = matmul_ceiling_tflops(device)
-    log(f"bf16 matmul 8192^3: {record['ceiling_tflops']:.0f} TFLOP/s")
-    record["tile_source"] = tile_source(torch.cuda.get_device_name(device), device_architecture(device))
-    log(f"tiles: {record['tile_source']}")
-    record["shapes"] = []
-    for name in shape_names:
-        shape = SHAPES[name]
-        with launching_for(shape.loads):  # the tiles tuned for its loads (`tile_configs.LOADS`)
-            experts, hidden, ffn, top_k = shape.dims
-            inputs = make_inputs(shape, device)
-            dy = make_output_grad(inputs)
-            loads = torch.bincount(inputs[1].reshape(-1), minlength=experts).float()
-            tiles = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
-            fp8_tiles = {b: fp8_tiles_for(b, Fp8Tiles.for_shape(shape.pairs, experts, hidden, ffn, device))
-                         for b in backends if is_fp8(b)}
-            entry = {"name": name, "experts": experts, "hidden": hidden, "ffn": ffn, "top_k": top_k,
-                     "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
-                     "loads": shape.loads,
-                     "tiles": dataclasses.asdict(tiles),
-                     "fp8_tiles": {b: dataclasses.asdict(t) for b, t in fp8_tiles.items()},
-                     "fp8_kernels": {b: fp8_kernel_paths(b, hidden, ffn, device) for b in fp8_tiles},
-                     "ms": {}, "tflops": {}}
-            for backend, t in fp8_tiles.items():
-                log(f"{name} {backend} tiles: {t.describe()}")
-            if check:
-                checked = [b for b in backends if b in ("triton", "grouped_mm", *BF16_VARIANTS) or needs_fp8(b)]
-                reference = reference_outputs(inputs, dy)
-                entry["rel_err"] = {b: (forward_error if b in FORWARD_ONLY else relative_errors)(
-                    make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference) for b in checked}
-                del reference
-            for backend in backends:
-                block = make_block(backend, tiles, fp8_tiles.get(backend))
-                n_iters = loop_iters if backend == "loop" else iters
-                for pass_name in passes_of(backend):
-                    ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters, main_grads)
-                    entry["ms"].setdefault(backend, {})[pass_name] = ms
-                    rate = shape.flops(pass_name) / ms / 1e9
-                    entry["tflops"].setdefault(backend, {})[pass_name] = rate
-                    log(f"{name} {backend} {pass_name}: {ms:.3f} ms")
-        record["shapes"].append(entry)
-        del inputs, dy
-        torch.cuda.empty_cache()
+    clocks = GpuClockSampler.for_devices([torch.cuda.current_device()], interval_ms=CLOCK_INTERVAL_MS)
+    windows: dict[tuple[str, ...], tuple[float, float]] = {}  # ("ceiling",) or (shape, backend, pass): when timed
+    with clocks:
+        start = time.monotonic()
+        record["ceiling_tflops"] = matmul_ceiling_tflops(device)
+        windows["ceiling",] = (start, time.monotonic())
+        log(f"bf16 matmul 8192^3: {record['ceiling_tflops']:.0f} TFLOP/s")
+        record["tile_source"] = tile_source(torch.cuda.get_device_name(device), device_architecture(device))
+        log(f"tiles: {record['tile_source']}")
+        record["shapes"] = []
+        for name in shape_names:
+            shape = SHAPES[name]
+            with launching_for(shape.loads):  # the tiles tuned for its loads (`tile_configs.LOADS`)
+                experts, hidden, ffn, top_k = shape.dims
+                inputs = make_inputs(shape, device)
+                dy = make_output_grad(inputs)
+                loads = torch.bincount(inputs[1].reshape(-1), minlength=experts).float()
+                tiles = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
+                fp8_tiles = {b: fp8_tiles_for(b, Fp8Tiles.for_shape(shape.pairs, experts, hidden, ffn, device))
+                             for b in backends if is_fp8(b)}
+                entry = {"name": name, "experts": experts, "hidden": hidden, "ffn": ffn, "top_k": top_k,
+                         "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
+                         "loads": shape.loads,
+                         "tiles": dataclasses.asdict(tiles),
+                         "fp8_tiles": {b: dataclasses.asdict(t) for b, t in fp8_tiles.items()},
+                         "fp8_kernels": {b: fp8_kernel_paths(b, hidden, ffn, device) for b in fp8_tiles},
+                         "ms": {}, "tflops": {}}
+                for backend, t in fp8_tiles.items():
+                    log(f"{name} {backend} tiles: {t.describe()}")
+                if check:
+                    checked = [b for b in backends if b in ("triton", "grouped_mm", *BF16_VARIANTS) or needs_fp8(b)]
+                    reference = reference_outputs(inputs, dy)
+                    entry["rel_err"] = {b: (forward_error if b in FORWARD_ONLY else relative_errors)(
+                        make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference) for b in checked}
+                    del reference
+                for backend in backends:
+                    block = make_block(backend, tiles, fp8_tiles.get(backend))
+                    n_iters = loop_iters if backend == "loop" else iters
+                    for pass_name in passes_of(backend):
+                        start = time.monotonic()
+                        ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters, main_grads)
+                        windows[name, backend, pass_name] = (start, time.monotonic())
+                        entry["ms"].setdefault(backend, {})[pass_name] = ms
+                        rate = shape.flops(pass_name) / ms / 1e9
+                        entry["tflops"].setdefault(backend, {})[pass_name] = rate
+                        log(f"{name} {backend} {pass_name}: {ms:.3f} ms")
+            record["shapes"].append(entry)
+            del inputs, dy
+            torch.cuda.empty_cache()
+    record["gpu_clocks_note"] = clocks.unavailable
+    record["ceiling_clocks"] = clocks.summary([windows["ceiling",]])
+    for entry in record["shapes"]:
+        entry["clocks"] = {backend: {pass_name: clocks.summary([windows[entry["name"], backend, pass_name]])
+                                     for pass_name in passes} for backend, passes in entry["ms"].items()}
     return record
+
+
+
+def clock_lines(record: dict) -> list[str]:
+    """What the SM clock was while each row was timed (median MHz of the samples in its timing, `bench.gpu_clocks`),
+    beside the ceiling probe's: a rate is a share of a ceiling timed in a short burst at the boost clock, and a
+    sustained block may run below it (power cap, heat), so two runs of one build can differ by the clocks alone.
+    A line per shape, and one saying why nothing was sampled where so."""
+    def mhz(summary: dict | None) -> str:
+        return "-" if summary is None else f"{summary['sm_mhz_median']:,.0f}"
+
+    def capped(summary: dict | None) -> str:
+        share = (summary or {}).get("reasons", {}).get("sw_power_cap")
+        return f" (power cap {share:.0%})" if share else ""
+
+    if "ceiling_clocks" not in record:  # a record from before the clocks were sampled
+        return []
+    lines = [f"SM clock while timed, median MHz: ceiling probe {mhz(record['ceiling_clocks'])}"
+             + capped(record["ceiling_clocks"])]
+    for entry in record["shapes"]:
+        rows = [f"{backend} " + " / ".join(f"{pass_name} {mhz(summary)}{capped(summary)}"
+                                           for pass_name, summary in passes.items())
+                for backend, passes in entry.get("clocks", {}).items()]
+        lines.append(f"  {entry['name']}: " + "; ".join(rows))
+    if record.get("gpu_clocks_note"):
+        lines.append(f"  ({record['gpu_clocks_note']})")
+    return lines
 
 
 def error_text(shape_entry: dict, backend: str, pass_name: str) -> str:

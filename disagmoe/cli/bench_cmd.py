@@ -104,6 +104,8 @@ def experts(
         print_json(record)
         return
     console.print(_experts_table(record))
+    for line in bench.clock_lines(record):
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
     notes = bench.fp8_tiles_notes(record)
     if notes:
         console.print("FP8 tiles (block_m x block_n x block_k, warps, stages, programs per SM, K-loop promotion):",

@@ -507,6 +507,53 @@ def test_the_experts_command_says_when_it_times_main_gradients(monkeypatch):
     assert "main gradients" not in _experts_table({**record, "main_grads": False}).title
 
 
+def test_every_row_says_the_sm_clock_it_was_timed_at_beside_the_ceiling_probes(monkeypatch):
+    """A rate is a share of a ceiling timed in a short burst at the boost clock; the command prints the median SM
+    clock of each row's timing beside the probe's (power-cap share where the driver reported one), and says why
+    where nothing was sampled."""
+    from typer.testing import CliRunner
+
+    from disagmoe.bench import experts as bench
+    from disagmoe.cli.app import app
+
+    def clocks(mhz, capped=0.0):
+        return {"sm_mhz_median": mhz, "reasons": {"sw_power_cap": capped} if capped else {}}
+
+    record = {"environment": {"gpu": "g", "driver": "d", "torch": "t", "triton": "tr"}, "ceiling_tflops": 800.0,
+              "main_grads": True, "gpu_clocks_note": None, "ceiling_clocks": clocks(1980),
+              "shapes": [{"name": "mixtral-8x7b", "experts": 8, "hidden": 4096, "ffn": 14336, "pairs": 16384,
+                          "load_max_over_mean": 3.44, "ms": {"grouped_mm": {"fwd": 1.0, "fwd+bwd": 3.0}},
+                          "tflops": {"grouped_mm": {"fwd": 560.0, "fwd+bwd": 430.0}},
+                          "clocks": {"grouped_mm": {"fwd": clocks(1830), "fwd+bwd": clocks(1755, 0.62)}}}]}
+    assert bench.clock_lines(record) == [
+        "SM clock while timed, median MHz: ceiling probe 1,980",
+        "  mixtral-8x7b: grouped_mm fwd 1,830 / fwd+bwd 1,755 (power cap 62%)"]
+    unsampled = {**record, "gpu_clocks_note": "nvidia-smi not found", "ceiling_clocks": None,
+                 "shapes": [{**record["shapes"][0], "clocks": {"grouped_mm": {"fwd": None, "fwd+bwd": None}}}]}
+    assert bench.clock_lines(unsampled) == ["SM clock while timed, median MHz: ceiling probe -",
+                                            "  mixtral-8x7b: grouped_mm fwd - / fwd+bwd -", "  (nvidia-smi not found)"]
+    assert bench.clock_lines({k: v for k, v in record.items() if k != "ceiling_clocks"}) == []  # an older record
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: record)
+    result = CliRunner().invoke(app, ["bench", "experts", "--shape", "mixtral-8x7b", "--backend", "grouped_mm"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "ceiling probe 1,980" in result.output and "fwd+bwd 1,755 (power cap 62%)" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_the_record_holds_the_clocks_of_every_timed_row():
+    from disagmoe.bench import experts as bench
+
+    record = bench.run(["qwen3-30b-a3b"], ["grouped_mm", "triton"], 2, 20, 1, check=False, log=lambda line: None)
+    entry = record["shapes"][0]
+    assert {b: set(p) for b, p in entry["clocks"].items()} == {b: set(p) for b, p in entry["ms"].items()}
+    sampled = [c for passes in entry["clocks"].values() for c in passes.values() if c is not None]
+    assert record["gpu_clocks_note"] or sampled, "nvidia-smi ran but no row's timing was sampled"
+    assert all(c["sm_mhz_median"] > 0 for c in sampled)
+    assert len(bench.clock_lines(record)) >= 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 tensor cores (sm_89+)")
