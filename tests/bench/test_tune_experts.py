@@ -375,7 +375,8 @@ def test_the_fp8_search_saves_the_fastest_checked_tiles_and_the_fp8_ffn_runs_the
             return out
         return run
 
-    clock = iter(range(100, 0, -1))  # each timing faster than the last: the last timed tile wins
+    # each timing 10% faster than the last: the last timed tile wins, none close enough for a final round
+    clock = iter(100 * 0.9**i for i in range(100))
     timed = []
 
     def time_ms(fn):
@@ -452,6 +453,34 @@ def test_the_search_logs_the_best_tile_of_each_kernel_kind_beside_the_winner():
     logged.clear()
     tuner.search(launch, triton_tile, [wide], time_ms, logged.append, "up")
     assert logged == []  # one kind: nothing beside the winner
+
+
+def test_tiles_close_to_the_fastest_are_timed_again_in_turn_and_keep_their_fastest_timing():
+    """A GPU warming through the search makes tiles timed late look slower: the tiles within `FINAL_ROUND_WITHIN`
+    of the fastest (at most `FINAL_ROUND_SIZE`) are timed `FINAL_ROUNDS` times more in turn, each keeping its
+    fastest timing, and the winner is chosen on those; a tile far behind is not timed again."""
+    first = TileConfig(block_m=128, block_n=128, block_k=64)
+    late, far = dataclasses.replace(first, block_n=256), dataclasses.replace(first, block_m=64)
+    timings = {first: [2.00, 2.01, 2.02], late: [2.04, 1.98, 1.99], far: [3.0]}  # late: timed hot, then in turn
+    launched = []
+
+    def launch(config):
+        launched.append(config)
+        return torch.ones(4)
+
+    def time_ms(fn):
+        fn()
+        return timings[launched[-1]].pop(0)
+
+    logged = []
+    best_ms, best, default_ms = tuner.search(launch, first, [late, far], time_ms, logged.append, "down")
+    assert (best_ms, best, default_ms) == (1.98, late, 2.00)
+    assert timings == {first: [], late: [], far: []}  # the close two twice more each, the far one once
+    assert logged == [f"  down: final round, 2 tiles within {tuner.FINAL_ROUND_WITHIN:.0%} timed "
+                      f"{tuner.FINAL_ROUNDS} times more in turn: 2.000 ms, 1.980 ms"]
+    only = tuner.final_round([(1.0, first), (2.0, far)], lambda config: 0.1, logged.append, "up")
+    assert only == [(1.0, first), (2.0, far)]  # nothing close: no round
+    assert tuner.final_round([], lambda config: 0.1, logged.append, "up") == []
 
 
 def test_the_search_tells_its_progress_as_each_candidate_ends_rejected_or_not():
