@@ -4,8 +4,8 @@
 # (then B), carry [".carry"].
 #   A: item 3's row on the committed table; the row's own shape retuned (block check on); the row again; the block
 #      timer's GPU test; the block's launches profiled on the retuned, TMA-store and committed tiles.
-#   C: item 3's row (its clocks beside the ceiling probe's), the DeepSeek tune, then on an H200 the DeepSeek step
-#      (elsewhere the row again), then the clocks' GPU test.
+#   C: item 3's row (its clocks beside the ceiling probe's), the clocks' GPU test, the DeepSeek tune, then on an
+#      H200 the DeepSeek step (elsewhere the row again).
 #   B: the DeepSeek config's expert classes tuned (never tuned on any card; block check on, its row GEMMs only since
 #      its run pairs the weight gradients), then its step against transformers on that table.
 set -uo pipefail
@@ -49,6 +49,8 @@ B)
   grep -E "^single|^hf-|expert tiles" "$OUT/deepseek-hf.log" | cut -c1-180 ;;
 C)
   experts experts-clocks-1  # first: the row on a cold GPU, with its clocks
+  t0=$(date +%s); timeout 60 python3 -m pytest -q -m gpu tests/bench/test_experts.py -k clocks \
+    > "$OUT/gpu-tests-clocks.txt" 2>&1; stamp gpu-tests $?
   t0=$(date +%s); timeout 200 python3 -m disagmoe bench tune-experts -c configs/h200-deepseek-v3.yaml \
     routing=balanced hardware=$hw > "$OUT/tune-deepseek.txt" 2>&1; stamp tune-deepseek $?
   cp "disagmoe/kernels/tuned/$table" "$OUT/"
@@ -56,8 +58,6 @@ C)
     *H200*) row h200-deepseek-v3 deepseek-hf ;;  # 3.9B parameters' state: an H200 only
     *) experts experts-clocks-2 ;;  # the row again on the GPU the tune warmed
   esac
-  t0=$(date +%s); timeout 60 python3 -m pytest -q -m gpu tests/bench/test_experts.py -k clocks \
-    > "$OUT/gpu-tests-clocks.txt" 2>&1; stamp gpu-tests $?
   tail -2 "$OUT/gpu-tests-clocks.txt"
   grep -hE "^\| mixtral|SM clock|  mixtral" "$OUT"/experts-clocks-*.txt | cut -c1-200
   grep -E "ran [0-9]+ of|block check| best " "$OUT/tune-deepseek.txt" | cut -c1-200
