@@ -49,6 +49,7 @@ from disagmoe.kernels.tile_configs import TileConfig, device_architecture, launc
 ZIPF_EXPONENT = 1.2
 # nvidia-smi's sampling interval while timing: a row's timing lasts a fraction of a second, the ceiling's less
 CLOCK_INTERVAL_MS = 20
+FEW_SAMPLES = 3  # a row's clock from fewer samples says how many
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 
@@ -523,8 +524,9 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     record = {"environment": environment(device), "zipf_exponent": ZIPF_EXPONENT,
               "warmup": warmup, "iters": iters, "loop_iters": loop_iters, "main_grads": main_grads}
     clocks = GpuClockSampler.for_devices([torch.cuda.current_device()], interval_ms=CLOCK_INTERVAL_MS)
-    windows: dict[tuple[str, ...], tuple[float, float]] = {}  # ("ceiling",) or (shape, backend, pass): when timed
+    windows: dict[tuple[str, ...], tuple[float, float]] = {}  # ("ceiling",), (shape's index, backend, pass): when
     with clocks:
+        clocks.wait_for_sample()  # the ceiling probe lasts tens of milliseconds: sampled from its start
         start = time.monotonic()
         record["ceiling_tflops"] = matmul_ceiling_tflops(device)
         windows["ceiling",] = (start, time.monotonic())
@@ -563,7 +565,7 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
                     for pass_name in passes_of(backend):
                         start = time.monotonic()
                         ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters, main_grads)
-                        windows[name, backend, pass_name] = (start, time.monotonic())
+                        windows[str(len(record["shapes"])), backend, pass_name] = (start, time.monotonic())
                         entry["ms"].setdefault(backend, {})[pass_name] = ms
                         rate = shape.flops(pass_name) / ms / 1e9
                         entry["tflops"].setdefault(backend, {})[pass_name] = rate
@@ -573,8 +575,8 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
             torch.cuda.empty_cache()
     record["gpu_clocks_note"] = clocks.unavailable
     record["ceiling_clocks"] = clocks.summary([windows["ceiling",]])
-    for entry in record["shapes"]:
-        entry["clocks"] = {backend: {pass_name: clocks.summary([windows[entry["name"], backend, pass_name]])
+    for index, entry in enumerate(record["shapes"]):  # by position: a shape named twice is timed twice
+        entry["clocks"] = {backend: {pass_name: clocks.summary([windows[str(index), backend, pass_name]])
                                      for pass_name in passes} for backend, passes in entry["ms"].items()}
     return record
 
@@ -584,9 +586,14 @@ def clock_lines(record: dict) -> list[str]:
     """What the SM clock was while each row was timed (median MHz of the samples in its timing, `bench.gpu_clocks`),
     beside the ceiling probe's: a rate is a share of a ceiling timed in a short burst at the boost clock, and a
     sustained block may run below it (power cap, heat), so two runs of one build can differ by the clocks alone.
-    A line per shape, and one saying why nothing was sampled where so."""
+    A line per shape ('-': no sample fell in that timing; a count where fewer than `FEW_SAMPLES` did), and one
+    saying why nothing was sampled where so."""
     def mhz(summary: dict | None) -> str:
-        return "-" if summary is None else f"{summary['sm_mhz_median']:,.0f}"
+        if summary is None:
+            return "-"
+        few = summary.get("samples", FEW_SAMPLES) < FEW_SAMPLES  # a timing of a few sampling intervals
+        return f"{summary['sm_mhz_median']:,.0f}" + (f" ({summary['samples']} sample{'s' * (summary['samples'] > 1)})"
+                                                      if few else "")
 
     def capped(summary: dict | None) -> str:
         share = (summary or {}).get("reasons", {}).get("sw_power_cap")

@@ -50,6 +50,7 @@ _REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active
 _FIELDS = ("timestamp", "index", "clocks.sm", "power.draw", "temperature.gpu")
 IDLE = 0x1  # the gpu_idle reason bit
 FULLY_SAMPLED = 0.9  # a summary of less of its window than this is marked partial
+FIRST_SAMPLE_TIMEOUT_S = 5.0  # how long `wait_for_sample` waits for nvidia-smi's first line
 READER_JOIN_S = 5.0  # how long leaving the block waits for the reader thread to drain the pipe
 
 
@@ -153,6 +154,16 @@ class GpuClockSampler:
         self._reader = threading.Thread(target=self._read, args=(self._process,), daemon=True)
         self._reader.start()
         return self
+
+    def wait_for_sample(self, timeout_s: float = FIRST_SAMPLE_TIMEOUT_S) -> bool:
+        """Wait until nvidia-smi's first sample has been read (it takes a moment to start), so that a timing
+        begun after this is sampled from its start; False where it is not sampling or none came in `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._process is not None and not self.samples and time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                break
+            time.sleep(0.005)
+        return bool(self.samples)
 
     def _query(self, executable: str) -> str | None:
         """The query fields this nvidia-smi takes (the reasons under their current name, else the old

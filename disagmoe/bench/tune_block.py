@@ -40,12 +40,13 @@ class BlockVerdict:
 
 
 def block_check(before: FFNTiles, after: FFNTiles, block_ms: Callable[[FFNTiles], float],
-                margin: float = MARGIN) -> BlockVerdict:
+                margin: float = MARGIN, roles: tuple[str, ...] = ROLES) -> BlockVerdict:
     """The tiles of `after` (the search's winners) the block keeps against `before` (the table's), timed by
-    `block_ms` (module docstring)."""
-    changed = [role for role in ROLES if getattr(before, role) != getattr(after, role)]
+    `block_ms` (module docstring); only `roles`' tiles are compared (the others the same on both sides)."""
+    changed = [role for role in roles if getattr(before, role) != getattr(after, role)]
     if not changed:
-        return BlockVerdict(after, (), ("  block check: the search kept every tile the table had",))
+        which = "tile" if roles == ROLES else f"tile of {', '.join(roles)}"
+        return BlockVerdict(after, (), (f"  block check: the search kept every {which} the table had",))
     timed = [block_ms(tiles) for tiles in (after, before, after, before)]  # in turn: drift hits both alike
     new_ms, old_ms = min(timed[0::2]), min(timed[1::2])
     lines = [f"  block check: fwd+bwd {new_ms:.3f} ms on the new tiles, {old_ms:.3f} ms on the table's "

@@ -313,7 +313,8 @@ def search(launch: Callable[[TileConfig], object], default: TileConfig, configs:
     result = launch(default)
     reference = tuple(t.clone() for t in result) if isinstance(result, tuple) else result.clone()
     timed = []
-    tried = [default, *configs]
+    tried = [default, *(c for c in dict.fromkeys(configs) if c != default)]  # each tile once (the heuristic is a
+    # candidate of most roles' lists too)
     for done, config in enumerate(tried, 1):
         try:
             reset()
@@ -348,18 +349,23 @@ def final_round(timed: list[tuple[float, TileConfig]], time_config: Callable[[Ti
     order's as much as the tiles'; timed in turn, drift falls on them alike."""
     if not timed:
         return timed
-    fastest = min(ms for ms, _ in timed)
-    close = sorted((t for t in timed if t[0] <= fastest * (1 + FINAL_ROUND_WITHIN)), key=lambda t: t[0])
-    contenders = [config for _, config in close[:FINAL_ROUND_SIZE]]
+    best: dict[TileConfig, float] = {}
+    for ms, config in timed:
+        best[config] = min(ms, best.get(config, ms))
+    fastest = min(best.values())
+    close = sorted((c for c, ms in best.items() if ms <= fastest * (1 + FINAL_ROUND_WITHIN)), key=best.__getitem__)
+    contenders = close[:FINAL_ROUND_SIZE]
     if len(contenders) < 2:
         return timed
-    best = {config: ms for ms, config in timed if config in contenders}
     for _ in range(FINAL_ROUNDS):
         for config in contenders:
-            best[config] = min(best[config], time_config(config))
+            try:
+                best[config] = min(best[config], time_config(config))
+            except Exception as err:  # as the search: a launch that fails now keeps its earlier timing
+                log(f"  {label}: final round: {kernel_kind(config)} tile not timed again ({type(err).__name__})")
     log(f"  {label}: final round, {len(contenders)} tiles within {FINAL_ROUND_WITHIN:.0%} timed {FINAL_ROUNDS} times "
-        f"more in turn: " + ", ".join(f"{best[c]:.3f} ms" for c in contenders))
-    return [(best.get(config, ms), config) for ms, config in timed]
+        f"more in turn: " + ", ".join(f"{kernel_kind(c)} {best[c]:.3f} ms" for c in contenders))
+    return [(best[config], config) for _, config in timed]
 
 
 def kernel_kind(config: TileConfig) -> str:
@@ -487,13 +493,15 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         if checked:
             keys = {role: shape_class(role, *dims[role], shape.pairs, experts, shape.loads) for role in launches}
             after = FFNTiles(**{role: TileConfig(**shape_results[keys[role]]["config"]) for role in launches})
+            compared = ROLES
             if shape.paired_wgrads:  # the block runs them unpaired: the search's paired timings rank their tiles
-                wgrads = {role: getattr(after, role) for role in ROLES if role.startswith("wgrad")}
-                before = dataclasses.replace(before, **wgrads)
+                compared = tuple(role for role in ROLES if not role.startswith("wgrad"))
+                before = dataclasses.replace(before, **{role: getattr(after, role) for role in ROLES
+                                                        if role not in compared})
                 log("  block check: the weight gradients run paired, so the block compares the row GEMMs' tiles "
                     "and the weight gradients keep the search's")
             try:
-                verdict = block_check(before, after, block_timer(shape, device, warmup, iters))
+                verdict = block_check(before, after, block_timer(shape, device, warmup, iters), roles=compared)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as err:  # the search's winners stand unchecked
                 verdict = None
                 log(f"  block check skipped ({type(err).__name__}: {str(err).splitlines()[0][:120]}): the search's "

@@ -533,6 +533,8 @@ def test_every_row_says_the_sm_clock_it_was_timed_at_beside_the_ceiling_probes(m
     assert bench.clock_lines(unsampled) == ["SM clock while timed, median MHz: ceiling probe -",
                                             "  mixtral-8x7b: grouped_mm fwd - / fwd+bwd -", "  (nvidia-smi not found)"]
     assert bench.clock_lines({k: v for k, v in record.items() if k != "ceiling_clocks"}) == []  # an older record
+    short = {**record, "ceiling_clocks": {**clocks(1980), "samples": 1}}  # a timing of a few sampling intervals
+    assert bench.clock_lines(short)[0] == "SM clock while timed, median MHz: ceiling probe 1,980 (1 sample)"
     monkeypatch.setattr(bench, "run", lambda *args, **kwargs: record)
     result = CliRunner().invoke(app, ["bench", "experts", "--shape", "mixtral-8x7b", "--backend", "grouped_mm"],
                                 env={"COLUMNS": "200"})

@@ -100,6 +100,16 @@ def test_the_sampler_summarises_the_timed_steps_and_each_step(tmp_path, old_driv
     assert ", GPUs 0, 1 (idle, left out: 2); clock events: " in describe(summary)
 
 
+def test_a_benchmark_can_wait_for_the_first_sample_before_a_short_timing(tmp_path):
+    """nvidia-smi takes a moment to start: `wait_for_sample` returns once its first line is read (so a timing of
+    tens of milliseconds that starts after it is sampled), and False at once where nothing samples."""
+    with GpuClockSampler(["0"], interval_ms=10, command=fake_nvidia_smi(tmp_path)) as clocks:
+        assert clocks.wait_for_sample(timeout_s=30.0) and clocks.samples
+    with GpuClockSampler(["0"], command=str(tmp_path / "absent")) as clocks:
+        started = time.monotonic()
+        assert not clocks.wait_for_sample(timeout_s=30.0) and time.monotonic() - started < 1.0
+
+
 def test_a_sampler_that_stops_early_says_so(tmp_path):
     stops = tmp_path / "nvidia-smi"
     stops.write_text(f"#!{sys.executable}\nimport datetime, sys\n"

@@ -142,6 +142,9 @@ def test_a_shape_whose_run_pairs_its_weight_gradients_is_checked_on_its_row_gemm
     assert all(tiles.wgrad_w2 == NEW["wgrad_w2"] and tiles.wgrad_w13 == NEW["wgrad_w13"] for tiles in calls)
     assert any("weight gradients run paired" in line for line in lines)
     assert any(line.startswith("  block check: fwd+bwd") and "wgrad" not in line for line in lines)
+    rows = tuple(role for role in ROLES if not role.startswith("wgrad"))
+    only_wgrads = block_check(_tiles(wgrad_w2=NEW["wgrad_w2"]), _tiles(wgrad_w2=NEW["wgrad_w2"]), block_ms, roles=rows)
+    assert only_wgrads.lines == (f"  block check: the search kept every tile of {', '.join(rows)} the table had",)
 
 
 @pytest.mark.parametrize("flag", ["--no-block-check", "--block-check"])

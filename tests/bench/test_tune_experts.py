@@ -477,10 +477,23 @@ def test_tiles_close_to_the_fastest_are_timed_again_in_turn_and_keep_their_faste
     assert (best_ms, best, default_ms) == (1.98, late, 2.00)
     assert timings == {first: [], late: [], far: []}  # the close two twice more each, the far one once
     assert logged == [f"  down: final round, 2 tiles within {tuner.FINAL_ROUND_WITHIN:.0%} timed "
-                      f"{tuner.FINAL_ROUNDS} times more in turn: 2.000 ms, 1.980 ms"]
+                      f"{tuner.FINAL_ROUNDS} times more in turn: triton 2.000 ms, triton 1.980 ms"]
     only = tuner.final_round([(1.0, first), (2.0, far)], lambda config: 0.1, logged.append, "up")
     assert only == [(1.0, first), (2.0, far)]  # nothing close: no round
     assert tuner.final_round([], lambda config: 0.1, logged.append, "up") == []
+    # a tile listed twice (the heuristic is also a candidate of most roles) is timed once, in the search and in
+    # the round, and keeps the faster of its timings; one whose re-timing fails keeps its earlier one
+    timings = {first: [2.00, 2.01, 2.02], late: [2.03, 1.99, 1.98]}
+    launched.clear()
+    assert tuner.search(launch, first, [first, late, late], time_ms, logged.append, "down")[:2] == (1.98, late)
+    assert launched.count(late) == 1 + 1 + 2 and timings == {first: [], late: []}  # checked, timed, twice more
+    logged.clear()
+
+    def failing(config):
+        raise RuntimeError("unspecified launch failure")
+    assert tuner.final_round([(1.0, first), (1.01, late), (1.005, first)], failing, logged.append, "up") == [
+        (1.0, first), (1.01, late), (1.0, first)]
+    assert logged[0] == "  up: final round: triton tile not timed again (RuntimeError)"
 
 
 def test_the_search_tells_its_progress_as_each_candidate_ends_rejected_or_not():
