@@ -54,8 +54,8 @@ C)
   t0=$(date +%s); timeout 200 python3 -m disagmoe bench tune-experts -c configs/h200-deepseek-v3.yaml \
     routing=balanced hardware=$hw > "$OUT/tune-deepseek.txt" 2>&1; stamp tune-deepseek $?
   cp "disagmoe/kernels/tuned/$table" "$OUT/"
-  case "$card" in
-    *H200*) row h200-deepseek-v3 deepseek-hf ;;  # 3.9B parameters' state: an H200 only
+  case "$card${SKIP_STEP:-}" in  # SKIP_STEP=1: the row again instead of the step (a short budget)
+    *H200) row h200-deepseek-v3 deepseek-hf ;;  # 3.9B parameters' state: an H200 only
     *) experts experts-clocks-2 ;;  # the row again on the GPU the tune warmed
   esac
   tail -2 "$OUT/gpu-tests-clocks.txt"
