@@ -79,9 +79,9 @@ def test_where_no_single_gemm_explains_the_slower_block_the_tables_tiles_stay():
     assert verdict.lines[-1].endswith("no single GEMM's new tile explained the slower block")
 
 
-def test_the_tuner_saves_the_old_tile_of_a_gemm_the_block_check_kept(monkeypatch, tmp_path):
-    """`tune` checks a shape whose six GEMMs it tuned: the search's winners are saved as each ends, then the block
-    check's kept tile replaces its GEMM's entry, timed on its own launch and marked; `--role` tunes are unchecked."""
+def _tuner_without_a_gpu(monkeypatch) -> None:
+    """`tune` on CPU: every search's winner the `NEW` tile (1 ms against the heuristic's 2), the table's tiles the
+    heuristics; the block timer and the kept tile's timing are the test's."""
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
     monkeypatch.setattr(tuner, "device_architecture", lambda device: "sm_90x132")
@@ -90,6 +90,12 @@ def test_the_tuner_saves_the_old_tile_of_a_gemm_the_block_check_kept(monkeypatch
     monkeypatch.setattr(tuner, "search", lambda launch, default, configs, time_ms, log, role, progress: (
         1.0, NEW[role], 2.0))
     monkeypatch.setattr(tuner, "table_tiles", lambda shape, device: _tiles())
+
+
+def test_the_tuner_saves_the_old_tile_of_a_gemm_the_block_check_kept(monkeypatch, tmp_path):
+    """`tune` checks a shape whose six GEMMs it tuned: the search's winners are saved as each ends, then the block
+    check's kept tile replaces its GEMM's entry, timed on its own launch and marked; `--role` tunes are unchecked."""
+    _tuner_without_a_gpu(monkeypatch)
     monkeypatch.setattr(tuner, "block_timer", lambda shape, device, warmup, iters: _timer({"down": 4.0})[0])
     monkeypatch.setattr(tuner, "median_ms", lambda fn, warmup, iters: fn(0) and 1.5)
     table, lines = tmp_path / "test.json", []
@@ -122,14 +128,7 @@ def test_a_shape_whose_run_pairs_its_weight_gradients_is_checked_on_its_row_gemm
     """The block runs the weight gradients unpaired, so for a paired shape (a config of 2+ micro-batches) both sides
     of the check hold the search's weight-gradient tiles, ranked on paired launches: a slow new wgrad tile in the
     block is not the check's to undo, a slow new row-GEMM tile is."""
-    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
-    monkeypatch.setattr(tuner, "device_architecture", lambda device: "sm_90x132")
-    monkeypatch.setattr(tuner, "_hopper", lambda: False)
-    monkeypatch.setattr(tuner, "role_launches", lambda shape, device: {role: lambda tile: tile for role in ROLES})
-    monkeypatch.setattr(tuner, "search", lambda launch, default, configs, time_ms, log, role, progress: (
-        1.0, NEW[role], 2.0))
-    monkeypatch.setattr(tuner, "table_tiles", lambda shape, device: _tiles())
+    _tuner_without_a_gpu(monkeypatch)
     block_ms, calls = _timer({"down": 4.0, "wgrad_w2": 9.0})
     monkeypatch.setattr(tuner, "block_timer", lambda shape, device, warmup, iters: block_ms)
     monkeypatch.setattr(tuner, "median_ms", lambda fn, warmup, iters: fn(0) and 1.5)

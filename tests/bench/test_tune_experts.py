@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -425,6 +426,21 @@ def test_the_fp8_search_saves_the_fastest_checked_tiles_and_the_fp8_ffn_runs_the
         tc.clear_cache()
 
 
+def _timed_launches(ms_of: Callable[[TileConfig], float]):
+    """(launch, time_ms, launched) for `search` on CPU: the launch records its tile, the timer times the last
+    tile launched at `ms_of(tile)`."""
+    launched: list[TileConfig] = []
+
+    def launch(config):
+        launched.append(config)
+        return torch.ones(4)
+
+    def time_ms(fn):
+        fn()
+        return ms_of(launched[-1])
+    return launch, time_ms, launched
+
+
 def test_the_search_logs_the_best_tile_of_each_kernel_kind_beside_the_winner():
     """Where the library's grouped GEMM and our Gluon kernel compete with our Triton tiles, the log says
     how fast each kind's best was (the winner alone would hide how far the others were)."""
@@ -434,15 +450,7 @@ def test_the_search_logs_the_best_tile_of_each_kernel_kind_beside_the_winner():
     slower_gluon = dataclasses.replace(gluon, gluon_tma_store=False)
     wide = dataclasses.replace(triton_tile, block_n=256)
     ms = {triton_tile: 2.0, library: 3.0, gluon: 1.5, slower_gluon: 1.8, wide: 2.5}
-    launched = []
-
-    def launch(config):
-        launched.append(config)
-        return torch.ones(4)
-
-    def time_ms(fn):
-        fn()
-        return ms[launched[-1]]
+    launch, time_ms, _ = _timed_launches(lambda config: ms[config])
 
     logged = []
     best_ms, best, default_ms = tuner.search(launch, triton_tile, [library, gluon, slower_gluon], time_ms,
@@ -462,15 +470,7 @@ def test_tiles_close_to_the_fastest_are_timed_again_in_turn_and_keep_their_faste
     first = TileConfig(block_m=128, block_n=128, block_k=64)
     late, far = dataclasses.replace(first, block_n=256), dataclasses.replace(first, block_m=64)
     timings = {first: [2.00, 2.01, 2.02], late: [2.04, 1.98, 1.99], far: [3.0]}  # late: timed hot, then in turn
-    launched = []
-
-    def launch(config):
-        launched.append(config)
-        return torch.ones(4)
-
-    def time_ms(fn):
-        fn()
-        return timings[launched[-1]].pop(0)
+    launch, time_ms, launched = _timed_launches(lambda config: timings[config].pop(0))
 
     logged = []
     best_ms, best, default_ms = tuner.search(launch, first, [late, far], time_ms, logged.append, "down")
