@@ -26,6 +26,7 @@ Legend: T tokens, K experts per token, N = T*K pairs, E local experts, H hidden,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -493,10 +494,12 @@ def time_block(block, inputs, dy, pass_name: str, warmup: int, iters: int, main_
 
 
 def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
-        loop_iters: int, check: bool = True, log: Callable[[str], None] = print, main_grads: bool = False) -> dict:
+        loop_iters: int, check: bool = True, log: Callable[[str], None] = print, main_grads: bool = False,
+        gpu_clocks: bool = True) -> dict:
     """Time every backend on every shape (and the matmul ceiling) in one run; return the record.
     `main_grads`: every fwd+bwd adds its weight gradients into fp32 main gradients, as a training
-    step's micro-batches after its first (`_forward_backward`); the errors are checked without."""
+    step's micro-batches after its first (`_forward_backward`); the errors are checked without. `gpu_clocks`:
+    nvidia-smi samples the SM clock while each row is timed (`clock_lines`); off, the record says so."""
     unknown = [n for n in shape_names if n not in SHAPES]
     if unknown:
         raise ValueError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
@@ -523,10 +526,12 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     device = torch.device("cuda")
     record = {"environment": environment(device), "zipf_exponent": ZIPF_EXPONENT,
               "warmup": warmup, "iters": iters, "loop_iters": loop_iters, "main_grads": main_grads}
-    clocks = GpuClockSampler.for_devices([torch.cuda.current_device()], interval_ms=CLOCK_INTERVAL_MS)
+    clocks = (GpuClockSampler.for_devices([torch.cuda.current_device()], interval_ms=CLOCK_INTERVAL_MS)
+              if gpu_clocks else None)
     windows: dict[tuple[str, ...], tuple[float, float]] = {}  # ("ceiling",), (shape's index, backend, pass): when
-    with clocks:
-        clocks.wait_for_sample()  # the ceiling probe lasts tens of milliseconds: sampled from its start
+    with clocks or contextlib.nullcontext():
+        if clocks is not None:
+            clocks.wait_for_sample()  # the ceiling probe lasts tens of milliseconds: sampled from its start
         start = time.monotonic()
         record["ceiling_tflops"] = matmul_ceiling_tflops(device)
         windows["ceiling",] = (start, time.monotonic())
@@ -573,10 +578,11 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
             record["shapes"].append(entry)
             del inputs, dy
             torch.cuda.empty_cache()
-    record["gpu_clocks_note"] = clocks.unavailable
-    record["ceiling_clocks"] = clocks.summary([windows["ceiling",]])
+    record["gpu_clocks_note"] = clocks.unavailable if clocks is not None else "not sampled (--no-gpu-clocks)"
+    summary = (lambda key: clocks.summary([windows[key]])) if clocks is not None else (lambda key: None)
+    record["ceiling_clocks"] = summary(("ceiling",))
     for index, entry in enumerate(record["shapes"]):  # by position: a shape named twice is timed twice
-        entry["clocks"] = {backend: {pass_name: clocks.summary([windows[str(index), backend, pass_name]])
+        entry["clocks"] = {backend: {pass_name: summary((str(index), backend, pass_name))
                                      for pass_name in passes} for backend, passes in entry["ms"].items()}
     return record
 

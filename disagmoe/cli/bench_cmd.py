@@ -85,6 +85,10 @@ def experts(
              "after its first do (our kernels in their epilogues; the torch backends by an add after autograd's "
              "gradient, as the optimizer's hook adds it): the main gradients' read and write timed as training "
              "pays them (default: fresh gradients in the weights' dtype, which no training step writes)")] = False,
+    gpu_clocks: Annotated[bool, typer.Option(
+        "--gpu-clocks/--no-gpu-clocks", help="sample the GPU's SM clock, power and clock-event reasons with "
+        "nvidia-smi while each row is timed (every 20 ms) and print each row's median clock under the table; "
+        "--no-gpu-clocks to time without it (to see whether the sampling moves the rows)")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     markdown: Annotated[bool, typer.Option(help="also print the table as Markdown")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the JSON record here")] = None,
@@ -97,7 +101,7 @@ def experts(
 
     log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
     record = bench.run(_shape_names(shape), bench.backends_for(backend, precision, fp8_promote), warmup, iters,
-                       loop_iters, check=check, log=log, main_grads=main_grads)
+                       loop_iters, check=check, log=log, main_grads=main_grads, gpu_clocks=gpu_clocks)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:

@@ -535,11 +535,14 @@ def test_every_row_says_the_sm_clock_it_was_timed_at_beside_the_ceiling_probes(m
     assert bench.clock_lines({k: v for k, v in record.items() if k != "ceiling_clocks"}) == []  # an older record
     short = {**record, "ceiling_clocks": {**clocks(1980), "samples": 1}}  # a timing of a few sampling intervals
     assert bench.clock_lines(short)[0] == "SM clock while timed, median MHz: ceiling probe 1,980 (1 sample)"
-    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: record)
+    asked = []
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: asked.append(kwargs["gpu_clocks"]) or record)
     result = CliRunner().invoke(app, ["bench", "experts", "--shape", "mixtral-8x7b", "--backend", "grouped_mm"],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "ceiling probe 1,980" in result.output and "fwd+bwd 1,755 (power cap 62%)" in result.output
+    CliRunner().invoke(app, ["bench", "experts", "--shape", "mixtral-8x7b", "--no-gpu-clocks"])
+    assert asked == [True, False]  # sampled unless told not to (to see whether the sampling moves the rows)
 
 
 @pytest.mark.gpu
@@ -547,6 +550,9 @@ def test_every_row_says_the_sm_clock_it_was_timed_at_beside_the_ceiling_probes(m
 def test_cuda_the_record_holds_the_clocks_of_every_timed_row():
     from disagmoe.bench import experts as bench
 
+    unsampled = bench.run(["qwen3-30b-a3b"], ["grouped_mm"], 1, 2, 1, check=False, log=lambda line: None,
+                          gpu_clocks=False)
+    assert unsampled["gpu_clocks_note"] == "not sampled (--no-gpu-clocks)" and unsampled["ceiling_clocks"] is None
     record = bench.run(["qwen3-30b-a3b"], ["grouped_mm", "triton"], 2, 20, 1, check=False, log=lambda line: None)
     entry = record["shapes"][0]
     assert {b: set(p) for b, p in entry["clocks"].items()} == {b: set(p) for b, p in entry["ms"].items()}
