@@ -256,6 +256,18 @@ def _fp8_gluon_choices_restored():
             setattr(module._gluon, name, value)
 
 
+@pytest.fixture(autouse=True)
+def _expert_loads_restored():
+    """A trainer sets the loads its process's expert launches read their tiles for (`tile_configs.set_expert_loads`):
+    each test gets them back as it found them, so a later test's lookups never read an earlier run's loads."""
+    module = sys.modules.get("disagmoe.kernels.tile_configs")
+    saved = None if module is None else module.expert_loads()
+    yield
+    module = sys.modules.get("disagmoe.kernels.tile_configs")
+    if module is not None:
+        module.set_expert_loads(saved or "routed")
+
+
 @pytest.fixture
 def interpreted():
     """Reload the given kernel modules with TRITON_INTERPRET=1 (so @triton.jit builds interpreted

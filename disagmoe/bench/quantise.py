@@ -106,6 +106,7 @@ def epilogue_launches(shape: str, device: torch.device,
     from disagmoe.kernels import fp8, permute
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.moe_ffn import FFNTiles
+    from disagmoe.kernels.tile_configs import launching_for
 
     experts, hidden, ffn, top_k = SHAPES[shape].dims
     rows = SHAPES[shape].pairs
@@ -115,7 +116,8 @@ def epilogue_launches(shape: str, device: torch.device,
     x_NH = torch.randn(rows, hidden, **bf16)
     w13_EH2F = torch.randn(experts, hidden, 2 * ffn, **bf16) / hidden**0.5
     h13_N2F = torch.empty(rows, 2 * ffn, device=device, dtype=torch.bfloat16)
-    gate_up = FFNTiles.for_shape(rows, experts, hidden, ffn, device, torch.bfloat16).gate_up
+    with launching_for(SHAPES[shape].loads):  # the shape's own loads, not whatever the process last launched for
+        gate_up = FFNTiles.for_shape(rows, experts, hidden, ffn, device, torch.bfloat16).gate_up
 
     def swiglu(quantized_out=None):
         return gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, gate_up, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_N2F,
