@@ -587,7 +587,6 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     return record
 
 
-
 def clock_lines(record: dict) -> list[str]:
     """What the SM clock was while each row was timed (median MHz of the samples in its timing, `bench.gpu_clocks`),
     beside the ceiling probe's: a rate is a share of a ceiling timed in a short burst at the boost clock, and a
